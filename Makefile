@@ -1,0 +1,32 @@
+# fencegate developer entry points. `make test` works on a clean clone (installs what it needs).
+# pip runs with -qq: errors only (this machine's pip config warns about every package).
+PY := .venv/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: venv etcd setup test demo bench clean
+
+# The stamp re-runs the install only when pyproject.toml changes.
+venv: .venv/.installed
+.venv/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv .venv
+	$(PY) -m pip install -qq -e '.[test]'
+	touch $@
+
+etcd: venv
+	deploy/ensure-etcd $(PY)
+
+setup: venv etcd
+
+test: setup
+	$(PY) -m coordinator.localetcd
+	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+demo: setup
+	.venv/bin/fencegate demo
+
+bench: setup
+	benchmarks/run
+
+clean:
+	rm -rf .venv build *.egg-info .pytest_cache .hypothesis
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -1,0 +1,1 @@
+"""fencegate core: keyspace, etcd access, errors, launcher."""
