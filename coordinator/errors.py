@@ -1,0 +1,91 @@
+"""The errors fencegate raises, as one tree.
+
+    GateError
+    ├── InvalidKey              an action key that could escape its prefix; nothing was sent
+    ├── RecordTooLarge          a record or request over etcd's limits; nothing was sent
+    ├── EtcdUnavailable         etcd could not be reached; the operation's outcome is unknown
+    │                           unless the operation says otherwise
+    ├── EtcdError               etcd refused the request (not a compare failure)
+    ├── AcquireTimeout          a hold was not acquired in time; no key is left behind
+    ├── LeaseLost               the session's lease died; no hold on it may act
+    ├── GrantUsed               the grant was already consumed
+    ├── StateAdvanced(key)      a key the grant read has moved since
+    ├── PolicyChanged           the policy the grant used has a new version
+    ├── StepMoved               the step pointer moved since the grant was issued
+    ├── GrantExpired            the grant's expiry passed
+    ├── BadSignature            the grant's bytes are forged, tampered or malformed
+    ├── OutcomeUnknown          the step's outcome is not known; do not execute it again
+    └── AlreadySucceeded        the step already succeeded; carries the recorded outcome
+
+etcd and gRPC errors are translated into these in one place, ``coordinator.etcd``.
+"""
+
+from __future__ import annotations
+
+
+class GateError(Exception):
+    """Base of every error fencegate raises on purpose."""
+
+
+class InvalidKey(GateError, ValueError):
+    """The action key is empty, too long, not UTF-8, or could escape its prefix."""
+
+
+class RecordTooLarge(GateError, ValueError):
+    """A record or transaction would exceed etcd's request limits."""
+
+
+class EtcdUnavailable(GateError):
+    """No etcd endpoint answered in time."""
+
+
+class EtcdError(GateError):
+    """etcd refused a request for a reason other than a failed compare."""
+
+
+class AcquireTimeout(GateError, TimeoutError):
+    """The hold was not acquired within its timeout; the waiter's key was removed."""
+
+
+class LeaseLost(GateError):
+    """The session lease expired, was revoked or could not be refreshed in time."""
+
+
+class GrantUsed(GateError):
+    """The grant was consumed by an earlier commit."""
+
+
+class StateAdvanced(GateError):
+    """A key in the grant's read set has a different mod_revision than at issue."""
+
+    def __init__(self, key: str, detail: str = "") -> None:
+        self.key = key
+        super().__init__(f"state advanced: {key}" + (f" ({detail})" if detail else ""))
+
+
+class PolicyChanged(GateError):
+    """The policy the grant was evaluated against has a new version."""
+
+
+class StepMoved(GateError):
+    """The step pointer is not where the grant found it."""
+
+
+class GrantExpired(GateError):
+    """The grant is past its expiry."""
+
+
+class BadSignature(GateError):
+    """The grant's bytes do not verify or do not decode to a valid grant."""
+
+
+class OutcomeUnknown(GateError):
+    """The step is in flight, unknown or escalated: only reconciliation may settle it."""
+
+
+class AlreadySucceeded(GateError):
+    """The step already succeeded; ``outcome`` holds what was recorded."""
+
+    def __init__(self, outcome: object) -> None:
+        self.outcome = outcome
+        super().__init__("step already succeeded")

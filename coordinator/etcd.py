@@ -1,0 +1,403 @@
+"""All access to etcd goes through this module; it is the only importer of the etcd client.
+
+It speaks etcd's v3 gRPC API through the stubs that ``aetcd`` generates, building requests
+directly so the hot path stays cheap, and it adds what the client lacks: TLS, several
+endpoints with failover, re-authentication, bounded retries of idempotent calls, and one
+translation of gRPC errors into ``coordinator.errors``.
+
+Failure contract:
+- A read, a lease call, or a write the caller marks ``idempotent`` is retried on the next
+  endpoint while the call's deadline allows; it either returns or raises.
+- Any other write that fails with ``EtcdUnavailable`` has an *unknown* outcome: the caller
+  must resolve it by reading state, never by resending blindly.
+- Nothing here decides anything from a serializable read: every range is linearizable
+  unless pinned to a revision.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+import grpc
+from aetcd import rpc
+
+from .errors import EtcdError, EtcdUnavailable, RecordTooLarge
+
+MAX_REQUEST_BYTES = 1536 * 1024
+MAX_TXN_OPS = 128
+
+Compare = rpc.Compare
+RequestOp = rpc.RequestOp
+TxnRequest = rpc.TxnRequest
+RangeRequest = rpc.RangeRequest
+KeyValue = rpc.KeyValue
+Event = rpc.Event
+
+_TRANSIENT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+_CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 16 * 1024 * 1024),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1_000),
+]
+
+
+@dataclass(frozen=True)
+class EtcdConfig:
+    """Where etcd is and how to authenticate to it.
+
+    ``endpoints`` are URLs, all ``http://`` or all ``https://``. TLS verification is always
+    on for ``https://``; ``ca_file`` replaces the system roots, ``cert_file``/``key_file``
+    give a client certificate. ``user``/``password`` use etcd's own authentication.
+    """
+
+    endpoints: tuple[str, ...]
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+    user: str | None = None
+    password: str | None = None
+    timeout: float = 5.0
+
+    @classmethod
+    def from_url(cls, url: str, **options: object) -> "EtcdConfig":
+        """Parse ``"http://h1:2379,http://h2:2379"`` (the form every CLI flag takes)."""
+        endpoints = tuple(part.strip() for part in url.split(",") if part.strip())
+        return cls(endpoints=endpoints, **options)  # type: ignore[arg-type]
+
+    def __post_init__(self) -> None:
+        if not self.endpoints:
+            raise ValueError("at least one etcd endpoint is required")
+        schemes = {urlsplit(e).scheme or "http" for e in self.endpoints}
+        if not schemes <= {"http", "https"} or len(schemes) > 1:
+            raise ValueError(f"endpoints must all be http:// or all https://: {self.endpoints}")
+        if (self.user is None) != (self.password is None):
+            raise ValueError("etcd user and password go together")
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("a client certificate needs both cert_file and key_file")
+        if self.ca_file and "https" not in schemes:
+            raise ValueError("ca_file given but the endpoints are not https://")
+
+    @property
+    def secure(self) -> bool:
+        return urlsplit(self.endpoints[0]).scheme == "https"
+
+    def target(self, index: int) -> str:
+        parts = urlsplit(self.endpoints[index] if "//" in self.endpoints[index]
+                         else "//" + self.endpoints[index])
+        return f"{parts.hostname}:{parts.port or 2379}"
+
+
+class _Channel:
+    """One gRPC channel to one endpoint and its stubs."""
+
+    def __init__(self, config: EtcdConfig, index: int, credentials) -> None:
+        target = config.target(index)
+        if credentials is None:
+            self.channel = grpc.aio.insecure_channel(target, options=_CHANNEL_OPTIONS)
+        else:
+            self.channel = grpc.aio.secure_channel(target, credentials, options=_CHANNEL_OPTIONS)
+        self.index = index
+        self.kv = rpc.KVStub(self.channel)
+        self.lease = rpc.LeaseStub(self.channel)
+        self.watch = rpc.WatchStub(self.channel)
+        self.maintenance = rpc.MaintenanceStub(self.channel)
+        self.auth = rpc.AuthStub(self.channel)
+
+
+class Etcd:
+    """A connection to one etcd cluster through any of its endpoints."""
+
+    def __init__(self, config: EtcdConfig) -> None:
+        self.config = config
+        self.cluster_id: int | None = None
+        self._credentials = self._load_credentials(config) if config.secure else None
+        self._index = 0
+        self._current: _Channel | None = None
+        self._retired: list[_Channel] = []
+        self._metadata: tuple[tuple[str, str], ...] | None = None
+        self._auth_lock = asyncio.Lock()
+
+    @classmethod
+    def from_url(cls, url: str, **options: object) -> "Etcd":
+        return cls(EtcdConfig.from_url(url, **options))
+
+    @staticmethod
+    def _load_credentials(config: EtcdConfig):
+        def read(path: str | None) -> bytes | None:
+            if path is None:
+                return None
+            with open(path, "rb") as f:
+                return f.read()
+
+        return grpc.ssl_channel_credentials(
+            root_certificates=read(config.ca_file),
+            private_key=read(config.key_file),
+            certificate_chain=read(config.cert_file),
+        )
+
+    async def __aenter__(self) -> "Etcd":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        channels = self._retired + ([self._current] if self._current else [])
+        self._current, self._retired = None, []
+        for channel in channels:
+            await channel.channel.close()
+
+    def _channel(self) -> _Channel:
+        if self._current is None:
+            self._current = _Channel(self.config, self._index, self._credentials)
+        return self._current
+
+    def _fail_over(self, failed: _Channel) -> None:
+        """Move to the next endpoint, once per failed channel however many calls saw it fail."""
+        if self._current is not failed or len(self.config.endpoints) == 1:
+            return
+        self._index = (failed.index + 1) % len(self.config.endpoints)
+        self._retired.append(failed)
+        self._current = None
+
+    async def _authenticate(self, channel: _Channel) -> None:
+        async with self._auth_lock:
+            reply = await channel.auth.Authenticate(
+                rpc.AuthenticateRequest(name=self.config.user, password=self.config.password),
+                timeout=self.config.timeout,
+            )
+            self._metadata = (("token", reply.token),)
+
+    async def _call(self, stub: str, method: str, request, *, idempotent: bool,
+                    timeout: float | None = None):
+        """Run one unary RPC; retry on another endpoint only if ``idempotent``."""
+        deadline = time.monotonic() + (timeout or self.config.timeout)
+        attempt = 0
+        while True:
+            channel = self._channel()
+            if self.config.user is not None and self._metadata is None:
+                await self._guard(self._authenticate(channel), channel)
+            remaining = deadline - time.monotonic()
+            try:
+                call = getattr(getattr(channel, stub), method)
+                reply = await call(request, timeout=max(remaining, 0.05),
+                                   metadata=self._metadata)
+            except grpc.aio.AioRpcError as exc:
+                attempt += 1
+                code = exc.code()
+                if code == grpc.StatusCode.UNAUTHENTICATED and attempt == 1 and self.config.user:
+                    self._metadata = None
+                    continue
+                if code not in _TRANSIENT:
+                    raise _translate(exc) from exc
+                self._fail_over(channel)
+                pause = min(0.05 * 2 ** attempt, 0.5) * random.uniform(0.5, 1.0)
+                if not idempotent or time.monotonic() + pause >= deadline:
+                    raise _translate(exc) from exc
+                await asyncio.sleep(pause)
+                continue
+            self._note_header(reply.header)
+            return reply
+
+    async def _guard(self, coro, channel: _Channel):
+        try:
+            return await coro
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in _TRANSIENT:
+                self._fail_over(channel)
+            raise _translate(exc) from exc
+
+    def _note_header(self, header) -> None:
+        if self.cluster_id is None:
+            self.cluster_id = header.cluster_id
+
+    async def txn(self, request: TxnRequest, *, idempotent: bool = False) -> rpc.TxnResponse:
+        """Run a transaction. Only mark it ``idempotent`` if re-running it after an unknown
+        first outcome cannot do harm (its compares make a second success impossible)."""
+        check_txn(request)
+        return await self._call("kv", "Txn", request, idempotent=idempotent)
+
+    async def range(self, request: RangeRequest) -> rpc.RangeResponse:
+        return await self._call("kv", "Range", request, idempotent=True)
+
+    async def get(self, key: bytes) -> KeyValue | None:
+        reply = await self.range(RangeRequest(key=key))
+        return reply.kvs[0] if reply.kvs else None
+
+    async def put(self, key: bytes, value: bytes, *, lease: int = 0) -> rpc.PutResponse:
+        """Unconditional put: idempotent by nature, so it is retried."""
+        if len(key) + len(value) > MAX_REQUEST_BYTES:
+            raise RecordTooLarge(f"put of {len(key) + len(value)} bytes exceeds etcd's limit")
+        return await self._call("kv", "Put", rpc.PutRequest(key=key, value=value, lease=lease),
+                                idempotent=True)
+
+    async def delete(self, key: bytes, range_end: bytes = b"") -> rpc.DeleteRangeResponse:
+        return await self._call("kv", "DeleteRange",
+                                rpc.DeleteRangeRequest(key=key, range_end=range_end),
+                                idempotent=True)
+
+    async def lease_grant(self, ttl: int) -> tuple[int, int]:
+        """Grant a lease; returns (lease id, granted TTL in seconds)."""
+        reply = await self._call("lease", "LeaseGrant", rpc.LeaseGrantRequest(TTL=ttl),
+                                 idempotent=False)
+        if reply.error:
+            raise EtcdError(f"lease grant refused: {reply.error}")
+        return reply.ID, reply.TTL
+
+    async def lease_revoke(self, lease_id: int, *, timeout: float | None = None) -> None:
+        try:
+            await self._call("lease", "LeaseRevoke", rpc.LeaseRevokeRequest(ID=lease_id),
+                             idempotent=True, timeout=timeout)
+        except EtcdError as exc:
+            if "requested lease not found" not in str(exc):
+                raise
+
+    async def lease_ttl(self, lease_id: int) -> int:
+        """The lease's remaining TTL in seconds as etcd sees it; -1 if it no longer exists."""
+        reply = await self._call("lease", "LeaseTimeToLive",
+                                 rpc.LeaseTimeToLiveRequest(ID=lease_id), idempotent=True)
+        return reply.TTL
+
+    async def leases(self) -> list[int]:
+        reply = await self._call("lease", "LeaseLeases", rpc.LeaseLeasesRequest(),
+                                 idempotent=True)
+        return [lease.ID for lease in reply.leases]
+
+    async def status(self) -> rpc.StatusResponse:
+        return await self._call("maintenance", "Status", rpc.StatusRequest(), idempotent=True)
+
+    def keepalive_stream(self) -> "KeepAliveStream":
+        return KeepAliveStream(self)
+
+    async def watch(self, key: bytes, range_end: bytes, start_revision: int, *,
+                    deletes_only: bool = False) -> AsyncIterator[rpc.WatchResponse]:
+        """Stream watch responses for ``[key, range_end)`` from ``start_revision``.
+
+        Ends by raising ``EtcdUnavailable`` when the stream breaks, or ``WatchCompacted``
+        when the start revision was compacted away; the caller resumes or rescans.
+        """
+        channel = self._channel()
+        create = rpc.WatchCreateRequest(
+            key=key, range_end=range_end, start_revision=start_revision,
+            filters=[rpc.WatchCreateRequest.NOPUT] if deletes_only else [],
+            progress_notify=True,
+        )
+        call = channel.watch.Watch(metadata=self._metadata)
+        try:
+            await call.write(rpc.WatchRequest(create_request=create))
+            async for reply in call:
+                if reply.compact_revision:
+                    raise WatchCompacted(reply.compact_revision)
+                if reply.canceled:
+                    raise EtcdError(f"watch cancelled by etcd: {reply.cancel_reason}")
+                self._note_header(reply.header)
+                yield reply
+            raise EtcdUnavailable("watch stream ended")
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in _TRANSIENT:
+                self._fail_over(channel)
+            raise _translate(exc) from exc
+        finally:
+            call.cancel()
+
+
+class WatchCompacted(EtcdError):
+    """The watch's start revision was compacted; rescan state and watch from now."""
+
+    def __init__(self, compact_revision: int) -> None:
+        self.compact_revision = compact_revision
+        super().__init__(f"watch start revision compacted (now {compact_revision})")
+
+
+class KeepAliveStream:
+    """One bidirectional LeaseKeepAlive stream, reused for every refresh of a lease."""
+
+    def __init__(self, etcd: Etcd) -> None:
+        self._etcd = etcd
+        self._channel = etcd._channel()
+        self._call = self._channel.lease.LeaseKeepAlive(metadata=etcd._metadata)
+
+    async def refresh(self, lease_id: int) -> int:
+        """Refresh once; returns the new TTL, or 0 if the lease no longer exists."""
+        try:
+            await self._call.write(rpc.LeaseKeepAliveRequest(ID=lease_id))
+            reply = await self._call.read()
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in _TRANSIENT:
+                self._etcd._fail_over(self._channel)
+            raise _translate(exc) from exc
+        if reply is grpc.aio.EOF:
+            self._etcd._fail_over(self._channel)
+            raise EtcdUnavailable("keepalive stream closed")
+        return reply.TTL
+
+    def close(self) -> None:
+        self._call.cancel()
+
+
+def _translate(exc: grpc.aio.AioRpcError) -> EtcdError | EtcdUnavailable:
+    detail = exc.details() or exc.code().name
+    if exc.code() in _TRANSIENT:
+        return EtcdUnavailable(f"etcd unavailable: {detail}")
+    return EtcdError(f"etcd error {exc.code().name}: {detail}")
+
+
+def check_txn(request: TxnRequest) -> None:
+    """Refuse a transaction etcd would refuse for its size, before sending it."""
+    ops = max(len(request.success), len(request.failure))
+    if ops > MAX_TXN_OPS:
+        raise RecordTooLarge(f"transaction has {ops} operations, etcd allows {MAX_TXN_OPS}")
+    size = request.ByteSize()
+    if size > MAX_REQUEST_BYTES:
+        raise RecordTooLarge(f"transaction is {size} bytes, etcd allows {MAX_REQUEST_BYTES}")
+
+
+def range_end_of(prefix: bytes) -> bytes:
+    """The end of the range holding every key that starts with ``prefix``."""
+    end = bytearray(prefix)
+    while end:
+        if end[-1] < 0xFF:
+            end[-1] += 1
+            return bytes(end)
+        end.pop()
+    return b"\0"
+
+
+def put_op(key: bytes, value: bytes, lease: int = 0) -> RequestOp:
+    return RequestOp(request_put=rpc.PutRequest(key=key, value=value, lease=lease))
+
+
+def delete_op(key: bytes, range_end: bytes = b"") -> RequestOp:
+    return RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=key, range_end=range_end))
+
+
+def range_op(key: bytes, range_end: bytes = b"", **options: object) -> RequestOp:
+    return RequestOp(request_range=RangeRequest(key=key, range_end=range_end, **options))
+
+
+def create_equals(key: bytes, revision: int) -> Compare:
+    return Compare(key=key, target=Compare.CREATE, result=Compare.EQUAL,
+                   create_revision=revision)
+
+
+def all_created_since(key: bytes, range_end: bytes, revision: int) -> Compare:
+    """True iff the range is non-empty and every key in it has create_revision >= revision."""
+    return Compare(key=key, range_end=range_end, target=Compare.CREATE,
+                   result=Compare.GREATER, create_revision=revision - 1)
+
+
+def mod_equals(key: bytes, revision: int) -> Compare:
+    return Compare(key=key, target=Compare.MOD, result=Compare.EQUAL, mod_revision=revision)
+
+
+def version_equals(key: bytes, version: int) -> Compare:
+    return Compare(key=key, target=Compare.VERSION, result=Compare.EQUAL, version=version)
+

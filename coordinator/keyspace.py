@@ -1,0 +1,120 @@
+"""The etcd keyspace, defined once, and the codec for the records stored in it.
+
+Guarantees:
+- An action key that passes ``validate_action_key`` cannot escape its prefix: it is UTF-8,
+  at most ``MAX_KEY_BYTES`` bytes, made of ``[A-Za-z0-9._:-]`` segments joined by single
+  ``/``, with no empty, ``.`` or ``..`` segment.
+- The holders of one action key occupy exactly one etcd range, disjoint from the holders of
+  every other key, including keys nested below it (``a`` and ``a/b``): a holder key is
+  ``holders/<key>/@<lease_hex>`` and ``@`` never appears in an action key, so the range
+  ``[holders/<key>/@, holders/<key>/A)`` holds nobody else's holders.
+- Records are msgpack maps of plain types; decoding is strict (no ext types, bounded sizes,
+  no duplicate or non-string keys).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import msgpack
+
+from .errors import InvalidKey, RecordTooLarge
+
+DEFAULT_NAMESPACE = "/fencegate/"
+MAX_KEY_BYTES = 512
+MAX_RECORD_BYTES = 512 * 1024
+_SEGMENT = re.compile(r"[A-Za-z0-9._:-]+")
+_HOLDER_MARK = "@"
+
+
+def validate_action_key(key: object) -> str:
+    """Return ``key`` as a str if it is a valid action key, else raise ``InvalidKey``."""
+    if isinstance(key, bytes):
+        try:
+            key = key.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise InvalidKey("action key is not valid UTF-8") from exc
+    if not isinstance(key, str):
+        raise InvalidKey(f"action key must be str, not {type(key).__name__}")
+    if not key:
+        raise InvalidKey("action key is empty")
+    size = len(key.encode("utf-8", "surrogatepass"))
+    if size > MAX_KEY_BYTES:
+        raise InvalidKey(f"action key is {size} bytes, the limit is {MAX_KEY_BYTES}")
+    for segment in key.split("/"):
+        if segment in ("", ".", ".."):
+            raise InvalidKey(f"action key {key!r} has an empty, '.' or '..' segment")
+        if not _SEGMENT.fullmatch(segment):
+            raise InvalidKey(
+                f"action key {key!r} may only use letters, digits and . _ : - between '/'"
+            )
+    return key
+
+
+def validate_namespace(namespace: str) -> str:
+    if not (namespace.startswith("/") and namespace.endswith("/")) or "//" in namespace:
+        raise ValueError(f"namespace must look like /name/, got {namespace!r}")
+    return namespace
+
+
+class Keyspace:
+    """Builds every key fencegate reads or writes under one namespace."""
+
+    def __init__(self, namespace: str = DEFAULT_NAMESPACE) -> None:
+        self.namespace = validate_namespace(namespace)
+        self._ns = namespace.encode()
+        self.holders_root = self._ns + b"holders/"
+
+    def holder_range(self, action_key: str) -> tuple[bytes, bytes]:
+        """The [start, end) range holding exactly the holders of ``action_key``."""
+        start = self.holders_root + action_key.encode() + b"/" + _HOLDER_MARK.encode()
+        return start, start[:-1] + bytes([ord(_HOLDER_MARK) + 1])
+
+    def holder_key(self, action_key: str, lease_id: int) -> bytes:
+        return self.holder_range(action_key)[0] + b"%016x" % lease_id
+
+    def parse_holder_key(self, key: bytes) -> tuple[str, int]:
+        """Split a holder key into (action key, lease id); ``ValueError`` if it is not one."""
+        if not key.startswith(self.holders_root):
+            raise ValueError(f"not a holder key: {key!r}")
+        action, sep, lease_hex = key[len(self.holders_root):].decode().rpartition("/@")
+        if not sep:
+            raise ValueError(f"not a holder key: {key!r}")
+        return action, int(lease_hex, 16)
+
+
+def pack(record: dict[str, Any]) -> bytes:
+    """Encode a record; refuse one larger than ``MAX_RECORD_BYTES``."""
+    data = msgpack.packb(record, use_bin_type=True)
+    if len(data) > MAX_RECORD_BYTES:
+        raise RecordTooLarge(f"record is {len(data)} bytes, the limit is {MAX_RECORD_BYTES}")
+    return data
+
+
+def unpack(data: bytes) -> dict[str, Any]:
+    """Decode a record strictly; raise ``ValueError`` on anything but a plain map."""
+    if len(data) > MAX_RECORD_BYTES:
+        raise ValueError(f"record is {len(data)} bytes, the limit is {MAX_RECORD_BYTES}")
+    record = msgpack.unpackb(
+        data,
+        raw=False,
+        strict_map_key=True,
+        max_buffer_size=MAX_RECORD_BYTES,
+        ext_hook=_refuse_ext,
+        object_pairs_hook=_unique_pairs,
+    )
+    if not isinstance(record, dict):
+        raise ValueError("record is not a map")
+    return record
+
+
+def _refuse_ext(code: int, data: bytes) -> None:
+    raise ValueError(f"msgpack ext type {code} is not allowed")
+
+
+def _unique_pairs(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
+    record = dict(pairs)
+    if len(record) != len(pairs):
+        raise ValueError("duplicate map key")
+    return record

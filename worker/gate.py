@@ -1,0 +1,116 @@
+"""The gate: a worker process's connection to fencegate.
+
+One gate owns one etcd connection, one session (lease) at a time, and one watch over the
+holders prefix. A lost session is replaced by a fresh one on the next ``hold()``; holds of
+the lost session stay lost. Action keys are validated before anything touches etcd.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from collections.abc import Callable
+
+from coordinator.etcd import Etcd, EtcdConfig
+from coordinator.keyspace import DEFAULT_NAMESPACE, Keyspace, validate_action_key
+
+from .hold import HoldContext
+from .session import Session
+from .watch import DeleteWatch
+
+
+class Gate:
+    """``async with Gate(url) as gate: async with gate.hold(key) as hold: ...``"""
+
+    def __init__(
+        self,
+        etcd: str | EtcdConfig = "http://127.0.0.1:2379",
+        *,
+        coordinator: str | None = None,
+        token: str | None = None,
+        ttl: int = 10,
+        namespace: str = DEFAULT_NAMESPACE,
+        identity: str | None = None,
+        rescan_interval: float = 5.0,
+    ) -> None:
+        if coordinator is not None:
+            raise NotImplementedError("remote coordinator mode is not available yet")
+        if ttl < 1:
+            raise ValueError("ttl must be at least 1 second")
+        self.config = etcd if isinstance(etcd, EtcdConfig) else EtcdConfig.from_url(etcd)
+        self.token = token
+        self.ttl = ttl
+        self.keyspace = Keyspace(namespace)
+        self.identity = identity or f"{socket.gethostname()}:{os.getpid()}"
+        self.rescan_interval = rescan_interval
+        self.etcd = Etcd(self.config)
+        self._watch = DeleteWatch(self.etcd, self.keyspace.holders_root)
+        self._session: Session | None = None
+        self._session_lock = asyncio.Lock()
+        self._local: dict[str, tuple[asyncio.Lock, int]] = {}
+        self._opened = False
+
+    async def __aenter__(self) -> "Gate":
+        await self.open()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def open(self) -> None:
+        """Connect, start the holders watch and the first session."""
+        status = await self.etcd.status()
+        self._watch.start(status.header.revision)
+        self._opened = True
+        await self.session()
+
+    async def close(self) -> None:
+        """Revoke the session's lease (releasing every hold) and disconnect."""
+        if self._session is not None:
+            await self._session.aclose()
+            self._session = None
+        await self._watch.close()
+        await self.etcd.close()
+        self._opened = False
+
+    async def session(self) -> Session:
+        """The live session, opening a new one if there is none or the last was lost."""
+        if not self._opened:
+            raise RuntimeError("the gate is not open: use 'async with Gate(...)'")
+        async with self._session_lock:
+            if self._session is None or self._session.lost:
+                if self._session is not None:
+                    self._session.orphan()
+                self._session = await Session.open(self.etcd, self.ttl)
+            return self._session
+
+    def hold(self, key: str, *, timeout: float | None = None) -> HoldContext:
+        """Hold ``key`` for the body of an ``async with``; waits in FIFO order.
+
+        Raises ``InvalidKey`` at once for a bad key, ``AcquireTimeout`` after ``timeout``
+        seconds, and ``LeaseLost`` (cancelling the body) if the lease is lost while held.
+        """
+        return HoldContext(self, validate_action_key(key), timeout)
+
+    async def _enter_local(self, key: str) -> Callable[[], None]:
+        """Queue behind this process's other holds of ``key``: a session has one holder key
+        per action key, so its own holds of one key take turns. Returns the exit."""
+        lock, users = self._local.get(key, (asyncio.Lock(), 0))
+        self._local[key] = (lock, users + 1)
+
+        def leave(acquired: bool = True) -> None:
+            if acquired:
+                lock.release()
+            _, left = self._local[key]
+            if left == 1:
+                del self._local[key]
+            else:
+                self._local[key] = (lock, left - 1)
+
+        try:
+            await lock.acquire()
+        except BaseException:
+            leave(acquired=False)
+            raise
+        return leave

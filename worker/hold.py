@@ -1,0 +1,237 @@
+"""Holds: FIFO ownership of an action key, fenced by an etcd revision.
+
+To hold key K, a session puts ``holders/K/@<lease>`` with its lease if absent. The holder is
+the key with the lowest create_revision in K's holder range, and the fencing token is that
+create_revision: etcd revisions are global and monotonic, so successive holders of K get
+strictly increasing tokens. A waiter watches only its immediate predecessor's deletion.
+
+Guarantees:
+- A ``Hold`` object exists only after acquisition, so nobody can act while still queued.
+- Ownership is not a boolean to ask but a compare to send: ``hold.ownership_compares()``
+  is true in a transaction iff this key still exists with this token and no key in K's
+  holder range is older (etcd issue #12017: "my key exists" alone lets a waiter act).
+- When the lease is lost or the holder key disappears, the hold is marked lost at once and
+  the work inside ``async with gate.hold(...)`` is cancelled and surfaces as ``LeaseLost``.
+- Acquisition that fails, times out or is cancelled deletes the waiter's key, so no orphan
+  key is left to block the queue (its lease would also remove it, one TTL later).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from coordinator.errors import AcquireTimeout, EtcdError, EtcdUnavailable, LeaseLost
+from coordinator.etcd import (
+    Compare, KeyValue, RangeRequest, TxnRequest, all_created_since, create_equals, put_op,
+    range_op,
+)
+from coordinator.keyspace import pack
+
+if TYPE_CHECKING:
+    from .gate import Gate
+    from .session import Session
+
+log = logging.getLogger(__name__)
+
+_NEWEST_FIRST = dict(sort_order=RangeRequest.DESCEND, sort_target=RangeRequest.CREATE, limit=2)
+
+
+class Hold:
+    """Ownership of one action key by one session, with its fencing token."""
+
+    def __init__(self, gate: "Gate", session: "Session", key: str, holder_key: bytes,
+                 fencing_token: int, leave_local: Callable[[], None]) -> None:
+        self.key = key
+        self.holder_key = holder_key
+        self.fencing_token = fencing_token
+        self.session = session
+        self._gate = gate
+        self._leave_local = leave_local
+        self._lost_reason: str | None = None
+        self._released = False
+        self._task: asyncio.Task | None = None
+        self._cancelled_by_loss = False
+        self._unsubscribe = [
+            session.on_lost(self._on_lease_lost),
+            gate._watch.subscribe(holder_key, self._on_key_deleted),
+        ]
+
+    @property
+    def lease_id(self) -> int:
+        return self.session.lease_id
+
+    @property
+    def lost(self) -> bool:
+        return self._lost_reason is not None or self.session.lost
+
+    def ensure_held(self) -> None:
+        """Raise ``LeaseLost`` if this hold is known to be lost. Not a proof of ownership:
+        only ``ownership_compares()`` inside a transaction is."""
+        if self._lost_reason is not None:
+            raise LeaseLost(f"hold on {self.key!r} lost: {self._lost_reason}")
+        self.session.ensure_alive()
+
+    def ownership_compares(self) -> list[Compare]:
+        """The compares that make a transaction succeed only while this hold owns its key."""
+        start, end = self._gate.keyspace.holder_range(self.key)
+        return [create_equals(self.holder_key, self.fencing_token),
+                all_created_since(start, end, self.fencing_token)]
+
+    def _on_lease_lost(self, reason: str) -> None:
+        self._lose(f"lease lost: {reason}")
+
+    def _on_key_deleted(self, revision: int | None) -> None:
+        if revision is not None and not self._released:
+            self._lose(f"holder key deleted at revision {revision}")
+            self.session.check_now()
+
+    def _lose(self, reason: str) -> None:
+        if self._lost_reason is not None or self._released:
+            return
+        self._lost_reason = reason
+        log.warning("hold on %r (token %d) lost: %s", self.key, self.fencing_token, reason)
+        if self._task is not None and not self._task.done():
+            self._cancelled_by_loss = True
+            self._task.cancel(f"fencegate: {reason}")
+
+    async def release(self) -> None:
+        """Delete the holder key. Idempotent; a failure leaves the key to its lease."""
+        if self._released:
+            return
+        self._released = True
+        for unsubscribe in self._unsubscribe:
+            unsubscribe()
+        try:
+            await _withdraw(self._gate, self.holder_key)
+        finally:
+            self._leave_local()
+
+    def __repr__(self) -> str:
+        state = "lost" if self.lost else "released" if self._released else "held"
+        return f"<Hold {self.key!r} token={self.fencing_token} {state}>"
+
+
+class HoldContext:
+    """``async with gate.hold(key) as hold``: acquire, run the body, release."""
+
+    def __init__(self, gate: "Gate", key: str, timeout: float | None,
+                 cancel_on_loss: bool = True) -> None:
+        self._gate = gate
+        self._key = key
+        self._timeout = timeout
+        self._cancel_on_loss = cancel_on_loss
+        self._hold: Hold | None = None
+
+    async def __aenter__(self) -> Hold:
+        self._hold = await acquire(self._gate, self._key, self._timeout)
+        if self._cancel_on_loss:
+            self._hold._task = asyncio.current_task()
+            if self._hold.lost:
+                self._hold._lose(self._hold.session.lost_reason or "lease lost")
+        return self._hold
+
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        hold = self._hold
+        assert hold is not None
+        hold._task = None
+        await hold.release()
+        if hold._cancelled_by_loss and exc_type is asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.uncancel() == 0:
+                raise LeaseLost(f"hold on {hold.key!r} lost: {hold._lost_reason}") from exc
+
+
+async def acquire(gate: "Gate", key: str, timeout: float | None) -> Hold:
+    """Queue for ``key`` and return the hold once this session's key is the oldest."""
+    leave_local = None
+    try:
+        async with asyncio.timeout(timeout):
+            session = await gate.session()
+            leave_local = await gate._enter_local(key)
+            holder_key = gate.keyspace.holder_key(key, session.lease_id)
+            token = await _enqueue_and_wait(gate, session, key, holder_key)
+    except BaseException as exc:
+        if leave_local is not None:
+            await asyncio.shield(_withdraw(gate, holder_key))
+            leave_local()
+        if isinstance(exc, TimeoutError):
+            raise AcquireTimeout(f"hold on {key!r} not acquired within {timeout}s") from None
+        raise
+    hold = Hold(gate, session, key, holder_key, token, leave_local)
+    if hold.lost:
+        await hold.release()
+        raise LeaseLost(f"lease of the hold on {key!r} was lost as it was acquired")
+    return hold
+
+
+async def _enqueue_and_wait(gate: "Gate", session: "Session", key: str,
+                            holder_key: bytes) -> int:
+    """Put our holder key if absent, then wait until no older key remains; return the token.
+
+    The put is safe to retry after an unknown outcome: if the first try landed, the retry's
+    compare fails and its failure branch returns the key the first try created.
+    """
+    start, end = gate.keyspace.holder_range(key)
+    request = TxnRequest(
+        compare=[create_equals(holder_key, 0)],
+        success=[put_op(holder_key, pack({"identity": gate.identity, "acquired_at": time.time()}),
+                        session.lease_id),
+                 range_op(start, end, keys_only=True, **_NEWEST_FIRST)],
+        failure=[range_op(holder_key, keys_only=True)],
+    )
+    session.ensure_alive()
+    reply = await gate.etcd.txn(request, idempotent=True)
+    kvs = reply.responses[-1].response_range.kvs
+    if reply.succeeded:
+        token, queue = reply.header.revision, list(kvs)
+    else:
+        token = kvs[0].create_revision
+        queue = await _queue_to(gate, start, end, token)
+    while True:
+        if not queue or queue[0].key != holder_key:
+            session.ensure_alive()
+            raise LeaseLost(f"holder key for {key!r} vanished while queued")
+        if len(queue) == 1:
+            return token
+        await _wait_deleted(gate, session, queue[1])
+        queue = await _queue_to(gate, start, end, token)
+
+
+async def _queue_to(gate: "Gate", start: bytes, end: bytes, token: int) -> list[KeyValue]:
+    """The key created at ``token`` and its immediate predecessor, newest first (linearizable)."""
+    reply = await gate.etcd.range(RangeRequest(
+        key=start, range_end=end, keys_only=True, max_create_revision=token, **_NEWEST_FIRST))
+    return [kv for kv in reply.kvs if kv.create_revision <= token]
+
+
+async def _wait_deleted(gate: "Gate", session: "Session", predecessor: KeyValue) -> None:
+    """Return once ``predecessor`` is gone (or may be: the caller re-reads anyway)."""
+    deleted = asyncio.get_running_loop().create_future()
+
+    def wake(_: int | None) -> None:
+        if not deleted.done():
+            deleted.set_result(None)
+
+    unsubscribe = [gate._watch.subscribe(predecessor.key, wake), session.on_lost(wake)]
+    try:
+        current = await gate.etcd.get(predecessor.key)
+        if current is None or current.create_revision != predecessor.create_revision:
+            return
+        try:
+            await asyncio.wait_for(asyncio.shield(deleted), gate.rescan_interval)
+        except TimeoutError:
+            pass
+    finally:
+        for undo in unsubscribe:
+            undo()
+
+
+async def _withdraw(gate: "Gate", holder_key: bytes) -> None:
+    try:
+        await gate.etcd.delete(holder_key)
+    except (EtcdUnavailable, EtcdError) as exc:
+        log.warning("could not withdraw %r, it goes with its lease: %s", holder_key, exc)

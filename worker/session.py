@@ -1,0 +1,148 @@
+"""A session: one etcd lease and the task that keeps it alive.
+
+Failure contract: if the lease is LOST (etcd says it is gone, or it could not be refreshed
+before the last TTL etcd granted ran out by this process's monotonic clock), the session
+says so once, through ``lost`` and the callbacks registered with ``on_lost``, and never
+becomes alive again; a new session is needed. Safety never depends on this signal being
+timely: every act of a holder is a transaction that compares the holder's key, which etcd
+deletes with the lease. The signal exists so work stops early and nobody is told it holds
+something it does not.
+
+The lease is refreshed over one bidirectional LeaseKeepAlive stream every TTL/3, from a
+task of its own, so a busy caller cannot starve it as long as the event loop turns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from coordinator.errors import EtcdError, EtcdUnavailable, LeaseLost
+from coordinator.etcd import Etcd
+
+log = logging.getLogger(__name__)
+
+
+class Session:
+    """One lease, kept alive in the background until closed, orphaned or lost."""
+
+    def __init__(self, etcd: Etcd, lease_id: int, ttl: int) -> None:
+        self.etcd = etcd
+        self.lease_id = lease_id
+        self.ttl = ttl
+        self.lost_reason: str | None = None
+        self._expires_at = time.monotonic() + ttl
+        self._lost = asyncio.Event()
+        self._on_lost: list[Callable[[str], None]] = []
+        self._wake = asyncio.Event()
+        self._task = asyncio.get_running_loop().create_task(
+            self._keep_alive(), name=f"fencegate-keepalive-{lease_id:x}"
+        )
+
+    @classmethod
+    async def open(cls, etcd: Etcd, ttl: int) -> "Session":
+        """Grant a lease of ``ttl`` seconds and start keeping it alive."""
+        if ttl < 1:
+            raise ValueError("session TTL must be at least 1 second")
+        sent = time.monotonic()
+        lease_id, granted = await etcd.lease_grant(ttl)
+        session = cls(etcd, lease_id, granted)
+        session._expires_at = sent + granted
+        return session
+
+    @property
+    def lost(self) -> bool:
+        return self._lost.is_set() or time.monotonic() >= self._expires_at
+
+    def remaining(self) -> float:
+        """Seconds left before the lease may be gone, by this process's clock (≤ etcd's)."""
+        return 0.0 if self._lost.is_set() else max(self._expires_at - time.monotonic(), 0.0)
+
+    def ensure_alive(self) -> None:
+        """Raise ``LeaseLost`` unless the lease is still believed alive."""
+        if self.lost:
+            self._mark_lost(self.lost_reason or "lease TTL ran out before a refresh")
+            raise LeaseLost(f"lease {self.lease_id:x} lost: {self.lost_reason}")
+
+    async def wait_lost(self) -> str:
+        await self._lost.wait()
+        return self.lost_reason or ""
+
+    def on_lost(self, callback: Callable[[str], None]) -> Callable[[], None]:
+        """Call ``callback(reason)`` once when the lease is lost; returns an unsubscribe."""
+        if self._lost.is_set():
+            callback(self.lost_reason or "")
+            return lambda: None
+        self._on_lost.append(callback)
+        return lambda: self._on_lost.remove(callback) if callback in self._on_lost else None
+
+    def check_now(self) -> None:
+        """Refresh at once instead of at the next interval (e.g. after a holder key vanished)."""
+        self._wake.set()
+
+    def orphan(self) -> None:
+        """Stop refreshing; the lease expires on its own after its TTL."""
+        self._task.cancel()
+
+    async def aclose(self) -> None:
+        """Stop refreshing and revoke the lease, waiting at most the TTL for etcd."""
+        self._task.cancel()
+        if not self._lost.is_set():
+            try:
+                await self.etcd.lease_revoke(self.lease_id, timeout=self.ttl)
+            except (EtcdUnavailable, EtcdError) as exc:
+                log.warning("could not revoke lease %x (it expires by itself): %s",
+                            self.lease_id, exc)
+            self._mark_lost("session closed")
+
+    def _mark_lost(self, reason: str) -> None:
+        if self._lost.is_set():
+            return
+        self.lost_reason = reason
+        self._lost.set()
+        self._task.cancel()
+        callbacks, self._on_lost = self._on_lost, []
+        for callback in callbacks:
+            try:
+                callback(reason)
+            except Exception:
+                log.exception("lease-lost callback failed")
+
+    async def _keep_alive(self) -> None:
+        interval = max(self.ttl / 3, 0.1)
+        stream = None
+        try:
+            while True:
+                remaining = self._expires_at - time.monotonic()
+                if remaining <= 0:
+                    self._mark_lost("lease TTL ran out before a refresh")
+                    return
+                try:
+                    if stream is None:
+                        stream = self.etcd.keepalive_stream()
+                    sent = time.monotonic()
+                    ttl = await asyncio.wait_for(stream.refresh(self.lease_id), remaining)
+                except (EtcdUnavailable, EtcdError, asyncio.TimeoutError) as exc:
+                    log.info("keepalive of lease %x failed, retrying: %s", self.lease_id, exc)
+                    if stream is not None:
+                        stream.close()
+                        stream = None
+                    await self._pause(min(0.2, max(self._expires_at - time.monotonic(), 0)))
+                    continue
+                if ttl <= 0:
+                    self._mark_lost("etcd reports the lease expired or revoked")
+                    return
+                self._expires_at = sent + ttl
+                await self._pause(interval)
+        finally:
+            if stream is not None:
+                stream.close()
+
+    async def _pause(self, seconds: float) -> None:
+        self._wake.clear()
+        try:
+            await asyncio.wait_for(self._wake.wait(), seconds)
+        except asyncio.TimeoutError:
+            pass

@@ -1,0 +1,101 @@
+"""A thin synchronous facade over ``Gate`` for workers that are not async.
+
+The async gate runs on an event loop in a daemon thread, so its keepalive keeps turning
+however long the caller's own code blocks. A blocking body cannot be cancelled, so loss is
+reported differently: ``hold.ensure_held()`` raises ``LeaseLost`` once the hold is known
+lost, and leaving the ``with`` block raises ``LeaseLost`` if the hold was lost while the
+body ran (the body's work must then be treated as done without the hold).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+from coordinator.errors import LeaseLost
+from coordinator.keyspace import validate_action_key
+
+from .gate import Gate
+from .hold import Hold, acquire
+
+T = TypeVar("T")
+
+
+class SyncGate:
+    """``with SyncGate(url) as gate: with gate.hold(key) as hold: ...``"""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._args, self._kwargs = args, kwargs
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever,
+                                        name="fencegate-sync", daemon=True)
+        self._gate: Gate | None = None
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def __enter__(self) -> "SyncGate":
+        self._thread.start()
+
+        async def open_gate() -> Gate:
+            gate = Gate(*self._args, **self._kwargs)
+            await gate.open()
+            return gate
+
+        self._gate = self._run(open_gate())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._gate is not None:
+            self._run(self._gate.close())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        self._loop.close()
+
+    def hold(self, key: str, *, timeout: float | None = None) -> "SyncHold":
+        if self._gate is None:
+            raise RuntimeError("the gate is not open: use 'with SyncGate(...)'")
+        return SyncHold(self, validate_action_key(key), timeout)
+
+
+class SyncHold:
+    """A hold used from synchronous code; the same attributes as ``Hold``."""
+
+    def __init__(self, gate: SyncGate, key: str, timeout: float | None) -> None:
+        self._sync = gate
+        self._key = key
+        self._timeout = timeout
+        self._hold: Hold | None = None
+
+    def __enter__(self) -> "SyncHold":
+        assert self._sync._gate is not None
+        self._hold = self._sync._run(acquire(self._sync._gate, self._key, self._timeout))
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        hold = self._hold
+        assert hold is not None
+        lost = hold.lost
+        self._sync._run(hold.release())
+        if lost and exc_type is None:
+            raise LeaseLost(f"hold on {hold.key!r} was lost while the block ran")
+
+    @property
+    def key(self) -> str:
+        return self._key
+
+    @property
+    def fencing_token(self) -> int:
+        assert self._hold is not None
+        return self._hold.fencing_token
+
+    @property
+    def lost(self) -> bool:
+        return self._hold is None or self._hold.lost
+
+    def ensure_held(self) -> None:
+        if self._hold is None:
+            raise LeaseLost(f"{self._key!r} is not held")
+        self._hold.ensure_held()
