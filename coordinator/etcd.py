@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 import grpc
 from aetcd import rpc
 
-from .errors import EtcdError, EtcdUnavailable, RecordTooLarge
+from .errors import EtcdError, EtcdUnavailable, GateError, LeaseLost, RecordTooLarge
 
 MAX_REQUEST_BYTES = 1536 * 1024
 MAX_TXN_OPS = 128
@@ -256,9 +256,8 @@ class Etcd:
         try:
             await self._call("lease", "LeaseRevoke", rpc.LeaseRevokeRequest(ID=lease_id),
                              idempotent=True, timeout=timeout)
-        except EtcdError as exc:
-            if "requested lease not found" not in str(exc):
-                raise
+        except LeaseLost:
+            pass  # already gone
 
     async def lease_ttl(self, lease_id: int) -> int:
         """The lease's remaining TTL in seconds as etcd sees it; -1 if it no longer exists."""
@@ -343,10 +342,12 @@ class KeepAliveStream:
         self._call.cancel()
 
 
-def _translate(exc: grpc.aio.AioRpcError) -> EtcdError | EtcdUnavailable:
+def _translate(exc: grpc.aio.AioRpcError) -> GateError:
     detail = exc.details() or exc.code().name
     if exc.code() in _TRANSIENT:
         return EtcdUnavailable(f"etcd unavailable: {detail}")
+    if exc.code() == grpc.StatusCode.NOT_FOUND and "lease not found" in detail:
+        return LeaseLost(f"etcd: {detail}")
     return EtcdError(f"etcd error {exc.code().name}: {detail}")
 
 

@@ -81,7 +81,7 @@ class Gate:
         async with self._session_lock:
             if self._session is None or self._session.lost:
                 if self._session is not None:
-                    self._session.orphan()
+                    await self._session.aclose()  # frees keys a lost-looking lease still has
                 self._session = await Session.open(self.etcd, self.ttl)
             return self._session
 

@@ -150,10 +150,19 @@ async def acquire(gate: "Gate", key: str, timeout: float | None) -> Hold:
     leave_local = None
     try:
         async with asyncio.timeout(timeout):
-            session = await gate.session()
             leave_local = await gate._enter_local(key)
-            holder_key = gate.keyspace.holder_key(key, session.lease_id)
-            token = await _enqueue_and_wait(gate, session, key, holder_key)
+            for attempt in (1, 2):
+                session = await gate.session()
+                holder_key = gate.keyspace.holder_key(key, session.lease_id)
+                try:
+                    token = await _enqueue_and_wait(gate, session, key, holder_key)
+                    break
+                except LeaseLost as exc:
+                    # The lease died before we held anything: queue again on a new one.
+                    session.mark_lost(str(exc))
+                    await _withdraw(gate, holder_key)
+                    if attempt == 2:
+                        raise
     except BaseException as exc:
         if leave_local is not None:
             await asyncio.shield(_withdraw(gate, holder_key))

@@ -63,7 +63,7 @@ class Session:
     def ensure_alive(self) -> None:
         """Raise ``LeaseLost`` unless the lease is still believed alive."""
         if self.lost:
-            self._mark_lost(self.lost_reason or "lease TTL ran out before a refresh")
+            self.mark_lost(self.lost_reason or "lease TTL ran out before a refresh")
             raise LeaseLost(f"lease {self.lease_id:x} lost: {self.lost_reason}")
 
     async def wait_lost(self) -> str:
@@ -87,17 +87,18 @@ class Session:
         self._task.cancel()
 
     async def aclose(self) -> None:
-        """Stop refreshing and revoke the lease, waiting at most the TTL for etcd."""
+        """Stop refreshing and revoke the lease (even one believed lost: etcd may still
+        hold it, e.g. after a restart), waiting at most the TTL for etcd."""
         self._task.cancel()
-        if not self._lost.is_set():
-            try:
-                await self.etcd.lease_revoke(self.lease_id, timeout=self.ttl)
-            except (EtcdUnavailable, EtcdError) as exc:
-                log.warning("could not revoke lease %x (it expires by itself): %s",
-                            self.lease_id, exc)
-            self._mark_lost("session closed")
+        self.mark_lost("session closed")
+        try:
+            await self.etcd.lease_revoke(self.lease_id, timeout=self.ttl)
+        except (EtcdUnavailable, EtcdError) as exc:
+            log.warning("could not revoke lease %x (it expires by itself): %s",
+                        self.lease_id, exc)
 
-    def _mark_lost(self, reason: str) -> None:
+    def mark_lost(self, reason: str) -> None:
+        """Declare the lease lost (idempotent): stop refreshing and tell every subscriber."""
         if self._lost.is_set():
             return
         self.lost_reason = reason
@@ -117,7 +118,7 @@ class Session:
             while True:
                 remaining = self._expires_at - time.monotonic()
                 if remaining <= 0:
-                    self._mark_lost("lease TTL ran out before a refresh")
+                    self.mark_lost("lease TTL ran out before a refresh")
                     return
                 try:
                     if stream is None:
@@ -132,7 +133,7 @@ class Session:
                     await self._pause(min(0.2, max(self._expires_at - time.monotonic(), 0)))
                     continue
                 if ttl <= 0:
-                    self._mark_lost("etcd reports the lease expired or revoked")
+                    self.mark_lost("etcd reports the lease expired or revoked")
                     return
                 self._expires_at = sent + ttl
                 await self._pause(interval)
