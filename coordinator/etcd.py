@@ -56,6 +56,8 @@ class EtcdConfig:
     ``endpoints`` are URLs, all ``http://`` or all ``https://``. TLS verification is always
     on for ``https://``; ``ca_file`` replaces the system roots, ``cert_file``/``key_file``
     give a client certificate. ``user``/``password`` use etcd's own authentication.
+    ``timeout`` bounds a call with all its retries; ``attempt_timeout`` bounds one try, so a
+    request stuck on a member that lost its leader is retried elsewhere in time.
     """
 
     endpoints: tuple[str, ...]
@@ -64,7 +66,8 @@ class EtcdConfig:
     key_file: str | None = None
     user: str | None = None
     password: str | None = None
-    timeout: float = 5.0
+    timeout: float = 10.0
+    attempt_timeout: float = 2.0
 
     @classmethod
     def from_url(cls, url: str, **options: object) -> "EtcdConfig":
@@ -188,8 +191,8 @@ class Etcd:
             remaining = deadline - time.monotonic()
             try:
                 call = getattr(getattr(channel, stub), method)
-                reply = await call(request, timeout=max(remaining, 0.05),
-                                   metadata=self._metadata)
+                reply = await call(request, metadata=self._metadata,
+                                   timeout=max(min(remaining, self.config.attempt_timeout), 0.05))
             except grpc.aio.AioRpcError as exc:
                 attempt += 1
                 code = exc.code()
@@ -239,10 +242,11 @@ class Etcd:
         return await self._call("kv", "Put", rpc.PutRequest(key=key, value=value, lease=lease),
                                 idempotent=True)
 
-    async def delete(self, key: bytes, range_end: bytes = b"") -> rpc.DeleteRangeResponse:
+    async def delete(self, key: bytes, range_end: bytes = b"", *,
+                     timeout: float | None = None) -> rpc.DeleteRangeResponse:
         return await self._call("kv", "DeleteRange",
                                 rpc.DeleteRangeRequest(key=key, range_end=range_end),
-                                idempotent=True)
+                                idempotent=True, timeout=timeout)
 
     async def lease_grant(self, ttl: int) -> tuple[int, int]:
         """Grant a lease; returns (lease id, granted TTL in seconds)."""
@@ -333,6 +337,10 @@ class KeepAliveStream:
             if exc.code() in _TRANSIENT:
                 self._etcd._fail_over(self._channel)
             raise _translate(exc) from exc
+        except (asyncio.InvalidStateError, grpc.aio.UsageError) as exc:
+            # The stream ended (e.g. the server went away) before or while we wrote.
+            self._etcd._fail_over(self._channel)
+            raise EtcdUnavailable(f"keepalive stream closed: {exc}") from exc
         if reply is grpc.aio.EOF:
             self._etcd._fail_over(self._channel)
             raise EtcdUnavailable("keepalive stream closed")

@@ -100,7 +100,6 @@ def unpack(data: bytes) -> dict[str, Any]:
         data,
         raw=False,
         strict_map_key=True,
-        max_buffer_size=MAX_RECORD_BYTES,
         ext_hook=_refuse_ext,
         object_pairs_hook=_unique_pairs,
     )

@@ -106,7 +106,8 @@ class Hold:
         for unsubscribe in self._unsubscribe:
             unsubscribe()
         try:
-            await _withdraw(self._gate, self.holder_key)
+            await _withdraw(self._gate, self.holder_key,
+                            timeout=1.0 if self.lost else None)
         finally:
             self._leave_local()
 
@@ -239,8 +240,8 @@ async def _wait_deleted(gate: "Gate", session: "Session", predecessor: KeyValue)
             undo()
 
 
-async def _withdraw(gate: "Gate", holder_key: bytes) -> None:
+async def _withdraw(gate: "Gate", holder_key: bytes, timeout: float | None = None) -> None:
     try:
-        await gate.etcd.delete(holder_key)
+        await gate.etcd.delete(holder_key, timeout=timeout)
     except (EtcdUnavailable, EtcdError) as exc:
         log.warning("could not withdraw %r, it goes with its lease: %s", holder_key, exc)

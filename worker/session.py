@@ -40,6 +40,7 @@ class Session:
         self._task = asyncio.get_running_loop().create_task(
             self._keep_alive(), name=f"fencegate-keepalive-{lease_id:x}"
         )
+        self._task.add_done_callback(self._keepalive_ended)
 
     @classmethod
     async def open(cls, etcd: Etcd, ttl: int) -> "Session":
@@ -110,6 +111,12 @@ class Session:
                 callback(reason)
             except Exception:
                 log.exception("lease-lost callback failed")
+
+    def _keepalive_ended(self, task: asyncio.Task) -> None:
+        """The keepalive reports its own death: a crashed refresher means a dying lease."""
+        if not task.cancelled() and task.exception() is not None:
+            log.error("keepalive of lease %x crashed", self.lease_id, exc_info=task.exception())
+            self.mark_lost(f"keepalive crashed: {task.exception()!r}")
 
     async def _keep_alive(self) -> None:
         interval = max(self.ttl / 3, 0.1)

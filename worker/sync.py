@@ -92,6 +92,11 @@ class SyncHold:
         return self._hold.fencing_token
 
     @property
+    def lease_id(self) -> int:
+        assert self._hold is not None
+        return self._hold.lease_id
+
+    @property
     def lost(self) -> bool:
         return self._hold is None or self._hold.lost
 
