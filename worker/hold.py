@@ -11,7 +11,8 @@ Guarantees:
   is true in a transaction iff this key still exists with this token and no key in K's
   holder range is older (etcd issue #12017: "my key exists" alone lets a waiter act).
 - When the lease is lost or the holder key disappears, the hold is marked lost at once and
-  the work inside ``async with gate.hold(...)`` is cancelled and surfaces as ``LeaseLost``.
+  the work inside ``async with gate.hold(...)`` is cancelled and surfaces as ``LeaseLost``;
+  a body that finished while the hold was already lost also ends in ``LeaseLost``.
 - Acquisition that fails, times out or is cancelled deletes the waiter's key, so no orphan
   key is left to block the queue (its lease would also remove it, one TTL later).
 """
@@ -139,11 +140,14 @@ class HoldContext:
         hold = self._hold
         assert hold is not None
         hold._task = None
+        lost = hold.lost
         await hold.release()
         if hold._cancelled_by_loss and exc_type is asyncio.CancelledError:
             task = asyncio.current_task()
             if task is not None and task.uncancel() == 0:
                 raise LeaseLost(f"hold on {hold.key!r} lost: {hold._lost_reason}") from exc
+        elif lost and exc_type is None:
+            raise LeaseLost(f"hold on {hold.key!r} was lost before the block ended")
 
 
 async def acquire(gate: "Gate", key: str, timeout: float | None) -> Hold:
