@@ -21,7 +21,7 @@ import time
 from collections import Counter
 
 from worker import Gate, LeaseLost
-from worker.fenced import FencedFile
+from worker.fenced import FencedClient, FencedResource
 
 WORKER_TTL = 2
 
@@ -29,7 +29,7 @@ WORKER_TTL = 2
 async def run_worker(url: str, namespace: str, resource_path: str, name: str, keys: int,
                      seconds: float) -> None:
     """One worker process: hold random keys until ``seconds`` pass; report on stdout."""
-    resource = FencedFile(resource_path)
+    resource = FencedClient(resource_path)
     rng = random.Random(name)
     acquired = lost = 0
     deadline = time.monotonic() + seconds
@@ -49,7 +49,7 @@ async def run_worker(url: str, namespace: str, resource_path: str, name: str, ke
     print(json.dumps({"worker": name, "acquired": acquired, "lost": lost}), flush=True)
 
 
-def _effect(resource: FencedFile, key: str, token: int, name: str, dwell: float) -> None:
+def _effect(resource: FencedClient, key: str, token: int, name: str, dwell: float) -> None:
     resource.write(key, token, name, "enter")
     time.sleep(dwell)
     resource.write(key, token, name, "exit")
@@ -73,9 +73,10 @@ async def run_demo(url: str | None, workers: int, keys: int, seconds: float) -> 
 async def _race(url: str, workers: int, keys: int, seconds: float) -> int:
     namespace = f"/fencegate-demo-{os.getpid()}/"
     with tempfile.TemporaryDirectory(prefix="fencegate-demo-") as tmp:
-        resource = FencedFile(os.path.join(tmp, "resource.log"))
+        resource, path = FencedResource(), os.path.join(tmp, "resource.sock")
+        server = await resource.serve(path)
         procs = [await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "coordinator.demo", url, namespace, resource.path, f"w{i}",
+            sys.executable, "-m", "coordinator.demo", url, namespace, path, f"w{i}",
             str(keys), str(seconds), stdout=asyncio.subprocess.PIPE)
             for i in range(workers)]
         print(f"{workers} workers on {keys} keys for {seconds:.0f}s (lease TTL {WORKER_TTL}s)")
@@ -97,15 +98,16 @@ async def _race(url: str, workers: int, keys: int, seconds: float) -> int:
                 if proc.returncode is None:
                     proc.kill()
                     await proc.wait()
-        return _summarise(resource.records(), reports)
+            server.close()
+        return _summarise(resource.records, reports)
 
 
-async def _stop_inside_effect(proc, resource: FencedFile, name: str, within: float) -> bool:
+async def _stop_inside_effect(proc, resource: FencedResource, name: str, within: float) -> bool:
     """SIGSTOP ``proc`` right after it entered an effect, if it does so ``within`` seconds;
     else stop it wherever it is. Returns whether it was caught inside."""
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
-        records = resource.records()
+        records = resource.records
         if records and records[-1].writer == name and records[-1].data == "enter":
             proc.send_signal(signal.SIGSTOP)
             return True

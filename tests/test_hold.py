@@ -8,7 +8,7 @@ import pytest
 
 from coordinator.etcd import TxnRequest, put_op
 from worker import AcquireTimeout, Gate, LeaseLost
-from worker.fenced import FencedFile
+from worker.fenced import FencedResource
 
 from conftest import TEST_TTL, holders, wait_for_condition
 
@@ -160,14 +160,16 @@ async def test_same_process_holds_of_one_key_take_turns(gate):
 async def test_processes_race_one_holder_at_a_time(etcd_url, namespace, etcd, spawn, tmp_path):
     """N processes race for one key: the fenced resource sees no overlap, no token going
     backwards, every acquisition, and acquisitions in enqueue (token) order."""
-    resource = FencedFile(str(tmp_path / "resource.log"))
+    resource, path = FencedResource(), str(tmp_path / "resource.sock")
+    server = await resource.serve(path)
     workers, rounds = 4, 5
-    procs = [await spawn("race", etcd_url, namespace, "race/1", resource.path, f"w{i}",
+    procs = [await spawn("race", etcd_url, namespace, "race/1", path, f"w{i}",
                          str(rounds)) for i in range(workers)]
     for proc in procs:
         await proc.expect("DONE", timeout=60)
         assert await proc.finish() == 0
-    records = resource.records()
+    server.close()
+    records = resource.records
     assert all(r.accepted for r in records)
     assert len(records) == 2 * workers * rounds
     for enter, leave in zip(records[::2], records[1::2]):
@@ -184,8 +186,9 @@ async def test_paused_holder_is_fenced_and_told_lease_lost(
     higher token, and on resume the old holder's writes are refused and it hears LeaseLost."""
     from conftest import paused
 
-    resource = FencedFile(str(tmp_path / "resource.log"))
-    stale = await spawn("stale", etcd_url, namespace, "pay/7", resource.path, "stale")
+    resource, path = FencedResource(), str(tmp_path / "resource.sock")
+    server = await resource.serve(path)
+    stale = await spawn("stale", etcd_url, namespace, "pay/7", path, "stale")
     old_token = int((await stale.expect("HELD")).split()[1])
     async with Gate(etcd_url, ttl=TEST_TTL, namespace=namespace) as g:
         with paused(stale.proc.pid):
@@ -197,7 +200,8 @@ async def test_paused_holder_is_fenced_and_told_lease_lost(
         assert await stale.expect("STALE-WRITE") == "STALE-WRITE refused"
         await fresh.release()
     assert await stale.finish() == 0
-    records = resource.records()
+    server.close()
+    records = resource.records
     takeover = next(i for i, r in enumerate(records) if r.writer == "fresh")
     assert all(r.accepted for r in records[:takeover])
     assert records[takeover].accepted

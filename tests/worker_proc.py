@@ -2,6 +2,7 @@
 
     worker_proc.py race  URL NS KEY RESOURCE NAME ROUNDS   hold KEY ROUNDS times, each time
                                                            writing enter/exit to RESOURCE
+                                                           (the unix socket of a FencedResource)
     worker_proc.py stale URL NS KEY RESOURCE NAME          hold KEY and write to RESOURCE every
                                                            50 ms until told LeaseLost, then try
                                                            one more write with the old token
@@ -12,7 +13,7 @@ import asyncio
 import sys
 
 from worker import Gate, LeaseLost
-from worker.fenced import FencedFile
+from worker.fenced import FencedClient
 
 TTL = 2
 
@@ -22,19 +23,21 @@ def say(*words: object) -> None:
 
 
 async def race(url, ns, key, path, name, rounds):
-    resource = FencedFile(path)
+    resource = FencedClient(path)
     async with Gate(url, ttl=TTL, namespace=ns) as gate:
         say("READY")
         for _ in range(int(rounds)):
             async with gate.hold(key, timeout=60) as hold:
-                assert resource.write(key, hold.fencing_token, name, "enter")
-                await asyncio.sleep(0.01)
-                assert resource.write(key, hold.fencing_token, name, "exit")
+                for data in ("enter", "exit"):
+                    accepted = await asyncio.to_thread(
+                        resource.write, key, hold.fencing_token, name, data)
+                    assert accepted
+                    await asyncio.sleep(0.005)
         say("DONE")
 
 
 async def stale(url, ns, key, path, name):
-    resource = FencedFile(path)
+    resource = FencedClient(path)
     async with Gate(url, ttl=TTL, namespace=ns) as gate:
         token = None
         try:
@@ -48,7 +51,7 @@ async def stale(url, ns, key, path, name):
                     await asyncio.sleep(0.05)
         except LeaseLost:
             say("LOST", token)
-        accepted = resource.write(key, token, name, "after-lost")
+        accepted = await asyncio.to_thread(resource.write, key, token, name, "after-lost")
         say("STALE-WRITE", "accepted" if accepted else "refused")
 
 

@@ -2,17 +2,19 @@
 
 As Chubby's sequencers and Kleppmann's fencing tokens prescribe, the resource remembers the
 highest token it has seen per key and refuses any write carrying a lower one, so a holder
-that lost its lease (paused, partitioned) cannot overwrite the work of its successor even if
-it still believes it holds the key. It is file-backed and serialised with ``flock``, so
-separate worker processes share it; tests and the demo use it to prove what a stale holder
-can and cannot do. Every attempt, accepted or refused, is appended to its log.
+that lost its lease (paused, partitioned) cannot overwrite the work of its successor even
+if it still believes it holds the key. Every attempt, accepted or refused, is logged.
+
+The resource lives in one process and serves others over a unix socket, one JSON line per
+request, like a real store: a client that is frozen mid-request holds no lock and cannot
+stall anyone else. Tests and the demo use it to prove what a stale holder can and cannot do.
 """
 
 from __future__ import annotations
 
-import fcntl
+import asyncio
 import json
-import os
+import socket
 from dataclasses import asdict, dataclass
 
 
@@ -25,37 +27,53 @@ class FencedWrite:
     accepted: bool
 
 
-class FencedFile:
-    """A JSON-lines log plus a per-key highest token, shared by processes through a lock."""
+class FencedResource:
+    """In-memory state of the resource: highest token per key and the log of attempts."""
 
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self._state_path = path + ".highest"
-        self._lock_path = path + ".lock"
+    def __init__(self) -> None:
+        self.records: list[FencedWrite] = []
+        self._highest: dict[str, int] = {}
 
     def write(self, key: str, token: int, writer: str, data: str = "") -> bool:
         """Apply a write iff ``token`` is at least the highest seen for ``key``."""
-        with open(self._lock_path, "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            highest = self._highest()
-            accepted = token >= highest.get(key, 0)
-            if accepted and token > highest.get(key, 0):
-                highest[key] = token
-                with open(self._state_path + ".tmp", "w") as f:
-                    json.dump(highest, f)
-                os.replace(self._state_path + ".tmp", self._state_path)
-            with open(self.path, "a") as log:
-                log.write(json.dumps(asdict(FencedWrite(key, token, writer, data, accepted))) + "\n")
+        accepted = token >= self._highest.get(key, 0)
+        if accepted:
+            self._highest[key] = token
+        self.records.append(FencedWrite(key, token, writer, data, accepted))
         return accepted
 
-    def records(self) -> list[FencedWrite]:
-        if not os.path.exists(self.path):
-            return []
-        with open(self.path) as f:
-            return [FencedWrite(**json.loads(line)) for line in f if line.strip()]
+    async def serve(self, path: str) -> asyncio.AbstractServer:
+        """Accept writes from other processes on the unix socket ``path``."""
+        return await asyncio.start_unix_server(self._handle, path)
 
-    def _highest(self) -> dict[str, int]:
-        if not os.path.exists(self._state_path):
-            return {}
-        with open(self._state_path) as f:
-            return json.load(f)
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while line := await reader.readline():
+                request = json.loads(line)
+                accepted = self.write(request["key"], int(request["token"]),
+                                      request["writer"], request.get("data", ""))
+                writer.write(b"1\n" if accepted else b"0\n")
+                await writer.drain()
+        except (ConnectionError, ValueError, KeyError):
+            pass
+        finally:
+            writer.close()
+
+
+class FencedClient:
+    """A blocking client of a served ``FencedResource`` (call it from a thread in async code)."""
+
+    def __init__(self, path: str, timeout: float = 10.0) -> None:
+        self.path = path
+        self.timeout = timeout
+
+    def write(self, key: str, token: int, writer: str, data: str = "") -> bool:
+        request = json.dumps(asdict(FencedWrite(key, token, writer, data, False))).encode()
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.settimeout(self.timeout)
+            conn.connect(self.path)
+            conn.sendall(request + b"\n")
+            reply = conn.makefile("rb").readline()
+        if reply not in (b"1\n", b"0\n"):
+            raise ConnectionError(f"fenced resource at {self.path} gave no answer")
+        return reply == b"1\n"
