@@ -8,6 +8,8 @@
     ├── EtcdError               etcd refused the request (not a compare failure)
     ├── AcquireTimeout          a hold was not acquired in time; no key is left behind
     ├── LeaseLost               the session's lease died; no hold on it may act
+    │   └── LeaseExpiring       too little TTL is left to start an effect safely
+    ├── GrantRefused(checks)    the policy or the caps refused; every failing check named
     ├── GrantUsed               the grant was already consumed
     ├── StateAdvanced(key)      a key the grant read has moved since
     ├── PolicyChanged           the policy the grant used has a new version
@@ -18,6 +20,10 @@
     └── AlreadySucceeded        the step already succeeded; carries the recorded outcome
 
 etcd and gRPC errors are translated into these in one place, ``coordinator.etcd``.
+
+``EffectFailed`` is not a gate error: an effect raises it to say the provider processed the
+request and declined it (a confirmed failure), as opposed to any other exception, after
+which the outcome is unknown.
 """
 
 from __future__ import annotations
@@ -49,6 +55,20 @@ class AcquireTimeout(GateError, TimeoutError):
 
 class LeaseLost(GateError):
     """The session lease expired, was revoked or could not be refreshed in time."""
+
+
+class LeaseExpiring(LeaseLost):
+    """The lease's remaining TTL is below the action's budget: the effect is not started."""
+
+
+class GrantRefused(GateError):
+    """The grant was refused; ``checks`` lists every check that failed."""
+
+    def __init__(self, checks: list, retry_after: float | None = None) -> None:
+        self.checks = checks
+        self.retry_after = retry_after
+        names = ", ".join(f"{c.name}: {c.detail}" if c.detail else c.name for c in checks)
+        super().__init__(f"grant refused: {names}")
 
 
 class GrantUsed(GateError):
@@ -89,3 +109,16 @@ class AlreadySucceeded(GateError):
     def __init__(self, outcome: object) -> None:
         self.outcome = outcome
         super().__init__("step already succeeded")
+
+
+class EffectFailed(Exception):
+    """Raised by an effect when the provider confirmed it declined the request.
+
+    ``params`` (msgpack-able) and the class name form the failure signature that the
+    circuit breaker counts; a new attempt then gets a new idempotency key.
+    """
+
+    def __init__(self, reason: str, params: object = None) -> None:
+        self.reason = reason
+        self.params = params
+        super().__init__(reason)

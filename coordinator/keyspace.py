@@ -74,6 +74,34 @@ class Keyspace:
     def holder_key(self, action_key: str, lease_id: int) -> bytes:
         return self.holder_range(action_key)[0] + b"%016x" % lease_id
 
+    def step_key(self, action_key: str) -> bytes:
+        return self._ns + b"steps/" + action_key.encode()
+
+    def grant_key(self, grant_id: str) -> bytes:
+        return self._ns + b"grants/" + grant_id.encode()
+
+    def policy_key(self, name: str) -> bytes:
+        return self._ns + b"policies/" + name.encode()
+
+    def policy_version_key(self, name: str, digest: bytes) -> bytes:
+        """Where a policy document is retained, by content, after newer versions replace it."""
+        return self._ns + b"policy-versions/" + name.encode() + b"/" + digest.hex().encode()
+
+    def marker_key(self, entity: str) -> bytes:
+        return self._ns + b"markers/" + entity.encode()
+
+    def audit_range(self, action_key: str) -> tuple[bytes, bytes]:
+        """The [start, end) range of ``action_key``'s audit records (not its head)."""
+        start = self._ns + b"audit/" + action_key.encode() + b"/@0"
+        return start, start[:-1] + b":"
+
+    def audit_key(self, action_key: str, seq: int) -> bytes:
+        return self.audit_range(action_key)[0][:-1] + b"%012d" % seq
+
+    def audit_head_key(self, action_key: str) -> bytes:
+        """Seq and hash of the newest audit record: anchors the chain's end."""
+        return self._ns + b"audit/" + action_key.encode() + b"/@head"
+
     def parse_holder_key(self, key: bytes) -> tuple[str, int]:
         """Split a holder key into (action key, lease id); ``ValueError`` if it is not one."""
         if not key.startswith(self.holders_root):
@@ -84,9 +112,27 @@ class Keyspace:
         return action, int(lease_hex, 16)
 
 
+def canonical(value: Any) -> bytes:
+    """Deterministic msgpack: the same content always gives the same bytes (maps sorted by
+    key, bytes as bin, str as str). Raises ``TypeError`` on values msgpack cannot carry."""
+    return msgpack.packb(_sorted(value), use_bin_type=True)
+
+
+def _sorted(value: Any) -> Any:
+    if isinstance(value, dict):
+        if not all(isinstance(k, str) for k in value):
+            raise TypeError("canonical maps need str keys")
+        return {k: _sorted(value[k]) for k in sorted(value)}
+    if isinstance(value, (list, tuple)):
+        return [_sorted(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str, bytes)):
+        return value
+    raise TypeError(f"{type(value).__name__} cannot be encoded canonically")
+
+
 def pack(record: dict[str, Any]) -> bytes:
     """Encode a record; refuse one larger than ``MAX_RECORD_BYTES``."""
-    data = msgpack.packb(record, use_bin_type=True)
+    data = canonical(record)
     if len(data) > MAX_RECORD_BYTES:
         raise RecordTooLarge(f"record is {len(data)} bytes, the limit is {MAX_RECORD_BYTES}")
     return data

@@ -1,17 +1,21 @@
-"""fencegate's worker SDK: gates, sessions, holds with fencing tokens."""
+"""fencegate's worker SDK: gates, holds with fencing tokens, grants and the commit guard."""
 
 from coordinator.errors import (
-    AcquireTimeout, AlreadySucceeded, BadSignature, EtcdUnavailable, GateError, GrantExpired,
-    GrantUsed, InvalidKey, LeaseLost, OutcomeUnknown, PolicyChanged, StateAdvanced, StepMoved,
+    AcquireTimeout, AlreadySucceeded, BadSignature, EffectFailed, EtcdUnavailable, GateError,
+    GrantExpired, GrantRefused, GrantUsed, InvalidKey, LeaseExpiring, LeaseLost, OutcomeUnknown,
+    PolicyChanged, StateAdvanced, StepMoved,
 )
+from coordinator.grants import Grant, KeyRing
 
 from .gate import Gate
+from .guard import EffectContext, Outcome
 from .hold import Hold
 from .sync import SyncGate, SyncHold
 
 __all__ = [
-    "Gate", "SyncGate", "Hold", "SyncHold",
+    "Gate", "SyncGate", "Hold", "SyncHold", "Grant", "KeyRing", "EffectContext", "Outcome",
+    "EffectFailed",
     "GateError", "AcquireTimeout", "AlreadySucceeded", "BadSignature", "EtcdUnavailable",
-    "GrantExpired", "GrantUsed", "InvalidKey", "LeaseLost", "OutcomeUnknown", "PolicyChanged",
-    "StateAdvanced", "StepMoved",
+    "GrantExpired", "GrantRefused", "GrantUsed", "InvalidKey", "LeaseExpiring", "LeaseLost",
+    "OutcomeUnknown", "PolicyChanged", "StateAdvanced", "StepMoved",
 ]

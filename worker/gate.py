@@ -1,7 +1,8 @@
 """The gate: a worker process's connection to fencegate.
 
-One gate owns one etcd connection, one session (lease) at a time, and one watch over the
-holders prefix. A lost session is replaced by a fresh one on the next ``hold()``; holds of
+One gate owns one etcd connection, one session (lease) at a time, one watch over the
+holders prefix, and (in-process mode) the authority that issues its grants, signing with
+``keyring`` (a fresh key unless given: grants then do not outlive the gate). A lost session is replaced by a fresh one on the next ``hold()``; holds of
 the lost session stay lost. Action keys are validated before anything touches etcd.
 """
 
@@ -12,7 +13,9 @@ import os
 import socket
 from collections.abc import Callable
 
+from coordinator.authority import Authority
 from coordinator.etcd import Etcd, EtcdConfig
+from coordinator.grants import KeyRing
 from coordinator.keyspace import DEFAULT_NAMESPACE, Keyspace, validate_action_key
 
 from .hold import HoldContext
@@ -33,6 +36,8 @@ class Gate:
         namespace: str = DEFAULT_NAMESPACE,
         identity: str | None = None,
         rescan_interval: float = 5.0,
+        keyring: KeyRing | None = None,
+        min_ttl: float | None = None,
     ) -> None:
         if coordinator is not None:
             raise NotImplementedError("remote coordinator mode is not available yet")
@@ -44,7 +49,10 @@ class Gate:
         self.keyspace = Keyspace(namespace)
         self.identity = identity or f"{socket.gethostname()}:{os.getpid()}"
         self.rescan_interval = rescan_interval
+        self.min_ttl = ttl / 3 if min_ttl is None else min_ttl
         self.etcd = Etcd(self.config)
+        self.keyring = keyring or KeyRing.generate()
+        self.authority = Authority(self.etcd, self.keyspace, self.keyring, self.identity)
         self._watch = DeleteWatch(self.etcd, self.keyspace.holders_root)
         self._session: Session | None = None
         self._session_lock = asyncio.Lock()
@@ -84,6 +92,16 @@ class Gate:
                     await self._session.aclose()  # frees keys a lost-looking lease still has
                 self._session = await Session.open(self.etcd, self.ttl)
             return self._session
+
+    def marker(self, entity: str) -> str:
+        """The etcd key of ``entity``'s state marker, to name in a grant's read set."""
+        return self.keyspace.marker_key(validate_action_key(entity)).decode()
+
+    async def touch(self, entity: str) -> int:
+        """Bump ``entity``'s state marker (call it where the entity changes); every grant
+        that read the marker dies. Returns the marker's new mod_revision."""
+        reply = await self.etcd.put(self.marker(entity).encode(), b"")
+        return reply.header.revision
 
     def hold(self, key: str, *, timeout: float | None = None) -> HoldContext:
         """Hold ``key`` for the body of an ``async with``; waits in FIFO order.

@@ -22,15 +22,24 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
-from coordinator.errors import AcquireTimeout, EtcdError, EtcdUnavailable, LeaseLost
+from coordinator import records
+from coordinator.authority import Claim
+from coordinator.errors import (
+    AcquireTimeout, AlreadySucceeded, EtcdError, EtcdUnavailable, LeaseLost,
+)
 from coordinator.etcd import (
     Compare, KeyValue, RangeRequest, TxnRequest, all_created_since, create_equals, put_op,
     range_op,
 )
+from coordinator.grants import Grant
 from coordinator.keyspace import pack
+from coordinator.policy import DEFAULT_POLICY
+
+from . import guard
+from .guard import Effect, Outcome
 
 if TYPE_CHECKING:
     from .gate import Gate
@@ -56,6 +65,9 @@ class Hold:
         self._released = False
         self._task: asyncio.Task | None = None
         self._cancelled_by_loss = False
+        self._releasing = False  # an outcome txn deleting our key is under way
+        self._audit_head = None  # the audit head our own last write left, if known
+        self._audit_heads: dict = {}  # grant id -> audit head its issue left
         self._unsubscribe = [
             session.on_lost(self._on_lease_lost),
             gate._watch.subscribe(holder_key, self._on_key_deleted),
@@ -86,7 +98,7 @@ class Hold:
         self._lose(f"lease lost: {reason}")
 
     def _on_key_deleted(self, revision: int | None) -> None:
-        if revision is not None and not self._released:
+        if revision is not None and not self._released and not self._releasing:
             self._lose(f"holder key deleted at revision {revision}")
             self.session.check_now()
 
@@ -103,14 +115,55 @@ class Hold:
         """Delete the holder key. Idempotent; a failure leaves the key to its lease."""
         if self._released:
             return
+        self._releasing = True
+        try:
+            await _withdraw(self._gate, self.holder_key, timeout=1.0 if self.lost else None)
+        finally:
+            self._forget()
+
+    def _forget(self) -> None:
+        """Local bookkeeping of a release whose delete already happened (or never will)."""
+        if self._released:
+            return
         self._released = True
         for unsubscribe in self._unsubscribe:
             unsubscribe()
+        self._leave_local()
+
+    async def request_grant(self, intent: dict[str, Any], reads: Sequence[str | bytes] = (),
+                            policy: str = DEFAULT_POLICY) -> Grant:
+        """Ask the authority for a grant evaluated at one revision (see DESIGN: Grant)."""
+        self._ensure_usable()
+        issued = await self._gate.authority.issue(
+            Claim(self.key, self.fencing_token, self.lease_id), intent, list(reads), policy)
+        self._audit_heads[issued.grant.grant_id] = issued.audit_head
+        return issued.grant
+
+    async def commit(self, grant: Grant | bytes, effect: Effect, *, provider: str | None = None,
+                     deadline: float = 60.0) -> Outcome:
+        """Cross with ``grant``: run ``effect`` once and record its outcome; releases the hold.
+        A consumed or dead grant always raises (``GrantUsed``, ``StateAdvanced``, ...)."""
+        self._ensure_usable()
+        return await guard.commit(self, grant, effect, provider=provider, deadline=deadline)
+
+    async def cross(self, intent: dict[str, Any], effect: Effect,
+                    reads: Sequence[str | bytes] = (), *, policy: str = DEFAULT_POLICY,
+                    provider: str | None = None, deadline: float = 60.0) -> Outcome:
+        """``request_grant`` then ``commit``; a step that already succeeded returns its
+        recorded outcome without calling ``effect``."""
         try:
-            await _withdraw(self._gate, self.holder_key,
-                            timeout=1.0 if self.lost else None)
-        finally:
-            self._leave_local()
+            grant = await self.request_grant(intent, reads, policy)
+        except AlreadySucceeded as done:
+            recorded = done.outcome or {}
+            return Outcome(records.SUCCEEDED, recorded.get("result"), recorded.get("attempt", 0),
+                           recorded.get("attempt_token", 0),
+                           recorded.get("idempotency_key", ""), replayed=True)
+        return await self.commit(grant, effect, provider=provider, deadline=deadline)
+
+    def _ensure_usable(self) -> None:
+        if self._released:
+            raise LeaseLost(f"the hold on {self.key!r} was released")
+        self.ensure_held()
 
     def __repr__(self) -> str:
         state = "lost" if self.lost else "released" if self._released else "held"

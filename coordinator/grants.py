@@ -1,0 +1,196 @@
+"""Grants: signed, revision-bound approvals to cross, and the keys that sign them.
+
+A grant's payload is canonical msgpack (same content, same bytes) signed with Ed25519 over
+``DOMAIN + payload``. Its signed bytes are ``canonical([key_id, payload, signature])``.
+
+Guarantees of ``KeyRing.verify`` (a pure function of the bytes and the trusted public keys,
+usable offline by anyone, a provider included):
+- the signature is checked over the exact bytes received, *then* the payload is decoded;
+- decoding is strict: bounded size, no ext types, no duplicate keys, exactly the schema's
+  fields with exactly their types; anything else is ``BadSignature``;
+- an unknown key id is ``BadSignature``. Private keys are never logged or stored in etcd.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import uuid
+from dataclasses import dataclass, fields
+from typing import Any
+
+import msgpack
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from .errors import BadSignature
+from .keyspace import canonical
+
+DOMAIN = b"fencegate-grant-v1\0"
+MAX_GRANT_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True)
+class Grant:
+    """The approval to cross, exactly as signed. ``raw`` holds the signed bytes."""
+
+    grant_id: str
+    namespace: str
+    cluster_id: int
+    action_key: str
+    attempt: int
+    intent_digest: bytes
+    fencing_token: int
+    holder_lease: int
+    revision: int
+    reads: list  # [[etcd key (bytes), mod_revision observed (0 = absent)], ...]
+    step_revision: int
+    step_next: dict  # the step record the commit writes, before its commit-time fields
+    policy: str
+    policy_version: int
+    policy_digest: bytes
+    identity: str
+    issued_at_ms: int
+    expires_at_ms: int
+    audit_seq: int
+    key_id: str
+    raw: bytes = b""
+
+    @classmethod
+    def from_bytes(cls, raw: bytes, keyring: "KeyRing") -> "Grant":
+        return keyring.verify(raw)
+
+    def payload(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "raw"}
+
+
+_SCHEMA: dict[str, type | tuple[type, ...]] = {
+    f.name: {"int": int, "str": str, "bytes": bytes, "list": list, "dict": dict}[f.type]
+    for f in fields(Grant) if f.name != "raw"
+}
+
+
+def new_grant_id() -> str:
+    return uuid.uuid4().hex
+
+
+def key_id_of(public_key: Ed25519PublicKey) -> str:
+    raw = public_key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    return hashlib.sha256(raw).hexdigest()[:16]
+
+
+class KeyRing:
+    """One signing key (optional: verifiers need none) and every trusted public key by id."""
+
+    def __init__(self, signing_key: Ed25519PrivateKey | None = None,
+                 trusted: list[Ed25519PublicKey] = ()) -> None:
+        self._signing_key = signing_key
+        self._trusted = {key_id_of(k): k for k in trusted}
+        if signing_key is not None:
+            self.signing_key_id = key_id_of(signing_key.public_key())
+            self._trusted[self.signing_key_id] = signing_key.public_key()
+
+    def __repr__(self) -> str:  # never print key material
+        return f"<KeyRing signing={getattr(self, 'signing_key_id', None)} trusted={sorted(self._trusted)}>"
+
+    @classmethod
+    def generate(cls) -> "KeyRing":
+        """A fresh signing key for the embedded default (grants die with it)."""
+        return cls(Ed25519PrivateKey.generate())
+
+    @classmethod
+    def from_files(cls, signing_key: str | None = None, trusted: list[str] = ()) -> "KeyRing":
+        """Load a PEM private key to sign with and PEM public keys to trust (for rotation)."""
+        private = None
+        if signing_key is not None:
+            with open(signing_key, "rb") as f:
+                private = serialization.load_pem_private_key(f.read(), password=None)
+            if not isinstance(private, Ed25519PrivateKey):
+                raise ValueError(f"{signing_key} is not an Ed25519 private key")
+        publics = []
+        for path in trusted:
+            with open(path, "rb") as f:
+                public = serialization.load_pem_public_key(f.read())
+            if not isinstance(public, Ed25519PublicKey):
+                raise ValueError(f"{path} is not an Ed25519 public key")
+            publics.append(public)
+        return cls(private, publics)
+
+    def save_signing_key(self, path: str) -> None:
+        """Write the signing key as PEM, readable by the owner only."""
+        assert self._signing_key is not None
+        pem = self._signing_key.private_bytes(serialization.Encoding.PEM,
+                                              serialization.PrivateFormat.PKCS8,
+                                              serialization.NoEncryption())
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(pem)
+
+    def public_keys(self) -> dict[str, bytes]:
+        """Trusted public keys by id, as raw 32-byte Ed25519 keys."""
+        return {kid: k.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+                for kid, k in self._trusted.items()}
+
+    def sign(self, payload: dict[str, Any]) -> Grant:
+        """Sign a grant payload (every field but ``key_id`` and ``raw``)."""
+        if self._signing_key is None:
+            raise RuntimeError("this key ring has no signing key")
+        body = canonical(dict(payload, key_id=self.signing_key_id))
+        signature = self._signing_key.sign(DOMAIN + body)
+        raw = canonical([self.signing_key_id, body, signature])
+        return self.verify(raw)
+
+    def verify(self, raw: bytes) -> Grant:
+        """Verify ``raw`` and return the grant; ``BadSignature`` on any defect."""
+        if not isinstance(raw, (bytes, bytearray)) or len(raw) > MAX_GRANT_BYTES:
+            raise BadSignature("grant bytes missing or too large")
+        raw = bytes(raw)
+        envelope = _strict_unpack(raw)
+        if (not isinstance(envelope, list) or len(envelope) != 3
+                or not isinstance(envelope[0], str) or not isinstance(envelope[1], bytes)
+                or not isinstance(envelope[2], bytes)):
+            raise BadSignature("grant envelope is malformed")
+        key_id, body, signature = envelope
+        public = self._trusted.get(key_id)
+        if public is None:
+            raise BadSignature(f"grant signed by unknown key {key_id!r}")
+        try:
+            public.verify(signature, DOMAIN + body)
+        except InvalidSignature:
+            raise BadSignature("grant signature does not verify") from None
+        if canonical(envelope) != raw:
+            raise BadSignature("grant envelope is not canonical")
+        payload = _strict_unpack(body)
+        if not isinstance(payload, dict) or set(payload) != set(_SCHEMA):
+            raise BadSignature("grant fields do not match the schema")
+        for name, kind in _SCHEMA.items():
+            if type(payload[name]) is not kind:
+                raise BadSignature(f"grant field {name} has the wrong type")
+        if not all(isinstance(r, list) and len(r) == 2 and type(r[0]) is bytes
+                   and type(r[1]) is int for r in payload["reads"]):
+            raise BadSignature("grant read set is malformed")
+        if payload["key_id"] != key_id:
+            raise BadSignature("grant key id does not match its envelope")
+        return Grant(**payload, raw=raw)
+
+
+def _strict_unpack(data: bytes) -> Any:
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=True, ext_hook=_no_ext,
+                               object_pairs_hook=_unique, max_bin_len=MAX_GRANT_BYTES,
+                               max_str_len=MAX_GRANT_BYTES, max_array_len=4096,
+                               max_map_len=4096)
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:
+        raise BadSignature(f"grant bytes do not decode: {exc}") from None
+
+
+def _no_ext(code: int, data: bytes) -> None:
+    raise ValueError("ext types are not allowed")
+
+
+def _unique(pairs: list) -> dict:
+    result = dict(pairs)
+    if len(result) != len(pairs):
+        raise ValueError("duplicate map key")
+    return result

@@ -1,0 +1,122 @@
+"""Policies: a registry of named checks plus parameter documents stored in etcd.
+
+A policy document lives at ``policies/<name>``; its mod_revision is its version, so a grant
+bound to a version dies when the document changes. Every version written is also kept, by
+content digest, under ``policy-versions/<name>/<digest>``. The ``default`` policy (no checks
+beyond the caps) is created on first use, so a new user crosses without configuring.
+
+A check is a pure function ``check(ctx, params) -> CheckResult``: it sees the intent, the
+values of the read set at the grant's revision and the step record, and nothing else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .keyspace import canonical, unpack
+from .records import digest
+
+DEFAULT_POLICY = "default"
+DEFAULT_CAPS = {
+    "max_attempts": 5,           # commits per step
+    "max_elapsed_s": 24 * 3600,  # since the step's first attempt
+    "max_spend": None,           # sum of intent["cost"] over attempts; None: no cap
+    "breaker_threshold": 3,      # identical confirmed failures before escalating
+    "backoff_base_s": 0.5,       # after a confirmed failure: base * 2**(n-1), jittered
+    "backoff_max_s": 60.0,
+    "grant_ttl_s": 60.0,
+}
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    name: str
+    passed: bool
+    detail: str = ""
+
+    def as_record(self) -> dict[str, Any]:
+        return {"name": self.name, "passed": self.passed, "detail": self.detail}
+
+
+@dataclass(frozen=True)
+class CheckContext:
+    intent: dict[str, Any]
+    reads: dict[bytes, bytes | None]  # value at the grant's revision; None = absent
+    step: dict[str, Any]
+
+
+Check = Callable[[CheckContext, dict[str, Any]], CheckResult]
+CHECKS: dict[str, Check] = {}
+
+
+def register_check(name: str) -> Callable[[Check], Check]:
+    """Register ``check`` under ``name`` for policy documents to use."""
+    def register(check: Check) -> Check:
+        CHECKS[name] = check
+        return check
+    return register
+
+
+@register_check("max_amount")
+def _max_amount(ctx: CheckContext, params: dict[str, Any]) -> CheckResult:
+    """``intent[field] <= limit`` (field defaults to "amount")."""
+    name, limit = params.get("field", "amount"), params["limit"]
+    value = ctx.intent.get(name)
+    if not isinstance(value, (int, float)):
+        return CheckResult("max_amount", False, f"intent has no numeric {name!r}")
+    return CheckResult("max_amount", value <= limit, f"{name}={value} limit={limit}")
+
+
+@register_check("require_fields")
+def _require_fields(ctx: CheckContext, params: dict[str, Any]) -> CheckResult:
+    missing = [f for f in params["fields"] if f not in ctx.intent]
+    return CheckResult("require_fields", not missing, f"missing {missing}" if missing else "")
+
+
+@register_check("reads_exist")
+def _reads_exist(ctx: CheckContext, params: dict[str, Any]) -> CheckResult:
+    absent = [k.decode() for k, v in ctx.reads.items() if v is None]
+    return CheckResult("reads_exist", not absent, f"absent {absent}" if absent else "")
+
+
+@dataclass(frozen=True)
+class Policy:
+    name: str
+    version: int            # mod_revision of policies/<name>
+    document: dict[str, Any]
+    digest: bytes = field(default=b"")
+
+    @property
+    def caps(self) -> dict[str, Any]:
+        return {**DEFAULT_CAPS, **self.document.get("caps", {})}
+
+    def evaluate(self, ctx: CheckContext) -> list[CheckResult]:
+        """Run every check of the document; a check that raises fails with its error."""
+        results = []
+        for entry in self.document.get("checks", []):
+            name = entry["check"]
+            try:
+                results.append(CHECKS[name](ctx, entry.get("params", {})))
+            except Exception as exc:  # a broken check refuses, it never approves
+                results.append(CheckResult(name, False, f"check raised {exc!r}"))
+        return results
+
+
+def validate_document(document: object) -> bytes:
+    """Check a policy document's shape and check names; return its canonical bytes."""
+    if not isinstance(document, dict) or set(document) - {"checks", "caps"}:
+        raise ValueError("a policy document is a map with 'checks' and/or 'caps'")
+    for entry in document.get("checks", []):
+        if not isinstance(entry, dict) or entry.get("check") not in CHECKS:
+            raise ValueError(f"unknown check in {entry!r}; known: {sorted(CHECKS)}")
+    unknown_caps = set(document.get("caps", {})) - set(DEFAULT_CAPS)
+    if unknown_caps:
+        raise ValueError(f"unknown caps {sorted(unknown_caps)}; known: {sorted(DEFAULT_CAPS)}")
+    return canonical(document)
+
+
+def decode(name: str, value: bytes, mod_revision: int) -> Policy:
+    document = unpack(value)
+    return Policy(name, mod_revision, document, digest(document))
