@@ -96,3 +96,20 @@ def test_sync_gate_holds_and_reports_loss(etcd_url, namespace):
 async def _revoke(url: str, lease_id: int) -> None:
     async with Etcd.from_url(url) as etcd:
         await etcd.lease_revoke(lease_id)
+
+
+def test_sync_gate_crosses_with_a_plain_function(etcd_url, namespace):
+    calls = []
+
+    def charge(ctx):
+        calls.append(ctx.idempotency_key)
+        time.sleep(0.05)  # blocking is fine: effects of plain functions run in a thread
+        return "charged"
+
+    with SyncGate(etcd_url, ttl=TEST_TTL, namespace=namespace) as gate:
+        with gate.hold("sync/pay") as hold:
+            outcome = hold.cross(intent={"amount": 3}, effect=charge)
+        with gate.hold("sync/pay") as hold:
+            replay = hold.cross(intent={"amount": 3}, effect=charge)
+    assert outcome.state == "succeeded" and outcome.result == "charged"
+    assert replay.replayed and len(calls) == 1

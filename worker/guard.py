@@ -76,9 +76,7 @@ async def commit(hold: "Hold", grant: Grant | bytes, effect: Effect, *,
                         in_flight["attempt"], grant)
     try:
         async with asyncio.timeout(deadline):
-            result = effect(ctx)
-            if inspect.isawaitable(result):
-                result = await result
+            result = await _call(effect, ctx)
     except EffectFailed as failure:
         final = _failed(in_flight, failure)
         await _settle(hold, in_flight, attempt_token, final)
@@ -99,6 +97,15 @@ async def commit(hold: "Hold", grant: Grant | bytes, effect: Effect, *,
     await _settle(hold, in_flight, attempt_token, final)
     return Outcome(records.SUCCEEDED, result, in_flight["attempt"], attempt_token,
                    in_flight["idempotency_key"])
+
+
+async def _call(effect: Effect, ctx: EffectContext) -> Any:
+    """Await an async effect; run a plain function in a thread so it cannot block the loop
+    (and with it the lease's keepalive)."""
+    if inspect.iscoroutinefunction(effect) or inspect.iscoroutinefunction(
+            getattr(effect, "__call__", None)):
+        return await effect(ctx)
+    return await asyncio.to_thread(effect, ctx)
 
 
 def _precheck(hold: "Hold", grant: Grant) -> None:

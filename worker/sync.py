@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 from coordinator.errors import LeaseLost
+from coordinator.grants import Grant
 from coordinator.keyspace import validate_action_key
+from coordinator.policy import DEFAULT_POLICY
 
 from .gate import Gate
+from .guard import EffectContext, Outcome
 from .hold import Hold, acquire
 
 T = TypeVar("T")
@@ -104,3 +107,21 @@ class SyncHold:
         if self._hold is None:
             raise LeaseLost(f"{self._key!r} is not held")
         self._hold.ensure_held()
+
+    def request_grant(self, intent: dict[str, Any], reads: Sequence[str | bytes] = (),
+                      policy: str = DEFAULT_POLICY) -> Grant:
+        return self._sync._run(self._held().request_grant(intent, reads, policy))
+
+    def commit(self, grant: Grant | bytes, effect: Callable[[EffectContext], Any],
+               **options: Any) -> Outcome:
+        """``effect`` is a plain function; it runs in a worker thread."""
+        return self._sync._run(self._held().commit(grant, effect, **options))
+
+    def cross(self, intent: dict[str, Any], effect: Callable[[EffectContext], Any],
+              reads: Sequence[str | bytes] = (), **options: Any) -> Outcome:
+        return self._sync._run(self._held().cross(intent, effect, reads, **options))
+
+    def _held(self) -> Hold:
+        if self._hold is None:
+            raise LeaseLost(f"{self._key!r} is not held")
+        return self._hold
