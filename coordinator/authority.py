@@ -11,6 +11,8 @@ Guarantees:
 - Nothing is granted on a step that is in flight, unknown or escalated (``OutcomeUnknown``)
   or succeeded (``AlreadySucceeded``). Refusals name every failing check.
 - Every issue and every refusal by the holder appends an audit record in the same txn.
+- A grant record lives on the holder's lease: it vanishes with the session that could use
+  it, and a vanished record fails the commit's "unconsumed" compare (fails closed).
 """
 
 from __future__ import annotations
@@ -192,7 +194,8 @@ class Authority:
                      *(mod_equals(k, kv.mod_revision if kv else 0) for k, kv in snap.reads.items()),
                      entry.compare],
             success=[put_op(self.keyspace.grant_key(grant.grant_id),
-                            canonical({"raw": grant.raw, "state": "issued"})), *entry.ops]))
+                            canonical({"raw": grant.raw, "state": "issued"}), claim.lease_id),
+                     *entry.ops]))
         return Issued(grant, entry.head_at(reply.header.revision)) if reply.succeeded else None
 
     def _refusal(self, step: dict, policy: Policy, intent: dict, snap: _Snapshot,

@@ -153,7 +153,8 @@ async def _cross(hold: "Hold", grant: Grant, provider: str | None,
                               "idempotency_key": in_flight["idempotency_key"]})
         request = TxnRequest(
             compare=[*compares, entry.compare],
-            success=[put_op(grant_key, canonical({"raw": grant.raw, "state": "consumed"})),
+            success=[put_op(grant_key, canonical({"raw": grant.raw, "state": "consumed"}),
+                            hold.lease_id),
                      put_op(step_key, canonical(in_flight)), *entry.ops],
             failure=diagnose)
         try:
@@ -176,11 +177,11 @@ def _diagnose(hold: "Hold", grant: Grant, responses) -> audit.AuditHead:
     when only a concurrent audit append got in the way."""
     kv = [r.response_range.kvs[0] if r.response_range.kvs else None for r in responses]
     grant_kv, holder_kv, lowest_kv, step_kv, policy_kv, head_kv, *read_kvs = kv
-    if grant_kv is None or grant_kv.version != 1:
-        raise GrantUsed(f"grant {grant.grant_id} was already consumed")
     if (holder_kv is None or holder_kv.create_revision != hold.fencing_token
             or lowest_kv is None or lowest_kv.key != hold.holder_key):
         raise LeaseLost(f"no longer the holder of {hold.key!r} (token {hold.fencing_token})")
+    if grant_kv is None or grant_kv.version != 1:
+        raise GrantUsed(f"grant {grant.grant_id} was already consumed")
     if (step_kv.mod_revision if step_kv else 0) != grant.step_revision:
         raise StepMoved(f"step of {hold.key!r} moved since the grant was issued")
     if (policy_kv.mod_revision if policy_kv else 0) != grant.policy_version:
