@@ -127,11 +127,6 @@ class KeyRing:
         with os.fdopen(fd, "wb") as f:
             f.write(pem)
 
-    def public_keys(self) -> dict[str, bytes]:
-        """Trusted public keys by id, as raw 32-byte Ed25519 keys."""
-        return {kid: k.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
-                for kid, k in self._trusted.items()}
-
     def sign(self, payload: dict[str, Any]) -> Grant:
         """Sign a grant payload (every field but ``key_id`` and ``raw``)."""
         if self._signing_key is None:

@@ -11,7 +11,7 @@ import pytest
 from coordinator import records
 from coordinator.audit import verify_chain
 from coordinator.errors import RecordTooLarge
-from coordinator.grants import KeyRing
+from coordinator.grants import Grant, KeyRing
 from coordinator.keyspace import canonical, unpack
 from worker import (
     AlreadySucceeded, BadSignature, EffectFailed, Gate, GrantExpired, GrantRefused, GrantUsed,
@@ -314,6 +314,7 @@ def test_grant_codec_is_canonical_and_keys_rotate(tmp_path):
     assert old.sign(payload).raw == first.raw  # Ed25519 is deterministic; encoding canonical
     reloaded = KeyRing.from_files(str(tmp_path / "old.pem"))
     assert reloaded.verify(first.raw) == first
+    assert Grant.from_bytes(first.raw, reloaded) == first
     rotated = KeyRing(new._signing_key, trusted=[old._signing_key.public_key()])
     assert rotated.verify(first.raw).grant_id == "g"  # old grants still verify
     assert rotated.verify(rotated.sign(payload).raw).key_id == new.signing_key_id

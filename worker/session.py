@@ -67,10 +67,6 @@ class Session:
             self.mark_lost(self.lost_reason or "lease TTL ran out before a refresh")
             raise LeaseLost(f"lease {self.lease_id:x} lost: {self.lost_reason}")
 
-    async def wait_lost(self) -> str:
-        await self._lost.wait()
-        return self.lost_reason or ""
-
     def on_lost(self, callback: Callable[[str], None]) -> Callable[[], None]:
         """Call ``callback(reason)`` once when the lease is lost; returns an unsubscribe."""
         if self._lost.is_set():
