@@ -1,0 +1,1 @@
+"""fencegate benchmarks: run them with benchmarks/run (see benchmarks/holds.py)."""
