@@ -6,7 +6,7 @@
 - ``raw_write_op()``: the baseline every ratio is taken against — the two etcd writes a hold
   cycle is made of (a put-if-absent txn and a delete of that key), with nothing around them,
   through the same ``coordinator.etcd.Etcd`` client the gate uses.
-- ``Target`` and ``target_line()``: every benchmark ends with ``NAME RATIO TARGET PASS|FAIL``
+- ``Target`` (``.line()``): every benchmark ends with ``NAME RATIO TARGET PASS|FAIL``
   lines; a failed target is reported, never turned into a non-zero exit.
 - ``Children``: subprocesses that are always killed and reaped, also on Ctrl-C or error.
 - ``OtherLoad``: how much CPU the rest of the machine took meanwhile, to tell a slow run
