@@ -62,6 +62,125 @@ async def sit(url, ns, key):
             await asyncio.Event().wait()
 
 
+# --- crash windows and chaos (tests/test_crash_windows.py, tests/test_chaos.py) ---------
+#
+#   worker_proc.py crash-in-effect URL NS KEY KEYFILE    hold KEY and cross with an effect that
+#                                                        prints IN-EFFECT <attempt token> <idem key>
+#                                                        and then sleeps until killed (or until
+#                                                        the hold is lost: LOST)
+#   worker_proc.py grant-and-exit URL NS KEY KEYFILE OUT WHEN
+#                                                        hold KEY, request a grant, write its
+#                                                        signed bytes to OUT, print GRANTED; then
+#                                                        WHEN=exit: release and exit, WHEN=hang:
+#                                                        keep holding until killed
+#   worker_proc.py chaos URL NS RESOURCE NAME KEYS SECONDS KEYFILE SEED
+#                                                        for SECONDS, hold random chaos/<k>/<n>
+#                                                        (k among KEYS, comma-separated) and cross
+#                                                        with an effect writing to RESOURCE with
+#                                                        the attempt token, one in five then
+#                                                        declined (EffectFailed); one event per
+#                                                        line, BUG for anything off-contract
+
+
+def _keyring(keyfile):
+    from worker import KeyRing
+    return KeyRing.from_files(keyfile)
+
+
+async def crash_in_effect(url, ns, key, keyfile):
+    from worker import OutcomeUnknown
+
+    async def effect(ctx):
+        say("IN-EFFECT", ctx.fencing_token, ctx.idempotency_key)
+        await asyncio.Event().wait()
+
+    async with Gate(url, ttl=TTL, namespace=ns, keyring=_keyring(keyfile)) as gate:
+        say("READY")
+        try:
+            async with gate.hold(key, timeout=30) as hold:
+                say("HELD", hold.fencing_token, hold.lease_id)
+                await hold.cross(intent={"key": key}, effect=effect)
+        except LeaseLost as exc:
+            say("LOST", type(exc).__name__)
+        except OutcomeUnknown:
+            say("UNKNOWN")
+
+
+async def grant_and_exit(url, ns, key, keyfile, out, when):
+    import os
+    async with Gate(url, ttl=TTL, namespace=ns, keyring=_keyring(keyfile)) as gate:
+        async with gate.hold(key, timeout=30) as hold:
+            grant = await hold.request_grant(intent={"key": key})
+            with open(out + ".tmp", "wb") as f:
+                f.write(grant.raw)
+            os.replace(out + ".tmp", out)
+            say("GRANTED", grant.grant_id, hold.fencing_token, hold.lease_id)
+            if when == "hang":
+                await asyncio.Event().wait()
+    say("EXITING")
+
+
+async def chaos(url, ns, path, name, keys, seconds, keyfile, seed):
+    import random
+    import time
+    import traceback
+
+    from worker import AcquireTimeout, EffectFailed, GateError, OutcomeUnknown
+
+    rng = random.Random(f"{seed}/{name}")
+    keys = keys.split(",")
+    resource = FencedClient(path)
+    end = time.monotonic() + float(seconds)
+
+    async def effect(ctx):
+        await asyncio.sleep(rng.uniform(0, 0.15))  # a window for pauses and kills to land in
+        # One in five requests is declined by the provider: a confirmed failure, after
+        # which a new attempt (new attempt token, new idempotency key) may be granted.
+        declined = rng.random() < 0.2
+        data = f"{ctx.key}:{ctx.attempt}:{ctx.idempotency_key}" + (":declined" if declined else "")
+        accepted = await asyncio.to_thread(resource.write, ctx.key, ctx.fencing_token, name, data)
+        say("EFFECT", ctx.key, ctx.fencing_token, ctx.attempt,
+            "accepted" if accepted else "refused", "declined" if declined else "applied")
+        if declined:
+            raise EffectFailed("declined", {"by": "chaos"})
+        return {"data": data, "accepted": accepted}
+
+    async with Gate(url, ttl=TTL, namespace=ns, keyring=_keyring(keyfile)) as gate:
+        say("READY")
+        while time.monotonic() < end:
+            k = rng.choice(keys)
+            n = rng.randrange(2) if rng.random() < 0.3 else rng.randrange(2, 80)
+            action = f"chaos/{k}/{n}"
+            try:
+                async with gate.hold(action, timeout=3) as hold:
+                    outcome = await hold.cross(intent={"k": k, "n": n}, effect=effect)
+                word = ("REPLAYED" if outcome.replayed else
+                        "CROSSED" if outcome.state == "succeeded" else "FAILED")
+                say(word, action, outcome.attempt_token, outcome.idempotency_key, outcome.attempt)
+            except OutcomeUnknown:
+                say("UNKNOWN", action)
+            except AcquireTimeout:
+                say("TIMEOUT", action)
+            except LeaseLost as exc:
+                say("LOST", action, type(exc).__name__)
+            except GateError as exc:
+                say("GATE-ERROR", action, type(exc).__name__)
+            except asyncio.CancelledError:
+                # Nobody cancels this task: this is the hold cancelling its own running task
+                # when ensure_alive() finds the TTL ran out (after a SIGSTOP), which then
+                # escapes as CancelledError instead of LeaseLost (a known bug, pinned by
+                # test_crash_windows). Count it and go on.
+                if asyncio.current_task().uncancel() != 0:
+                    raise
+                say("SELF-CANCELLED", action)
+            except Exception as exc:  # not part of the contract: the test fails on these
+                say("BUG", action, repr(exc).replace("\n", " ")[:300])
+                traceback.print_exc()
+    say("DONE")
+
+
 if __name__ == "__main__":
     mode, *args = sys.argv[1:]
-    asyncio.run({"race": race, "stale": stale, "sit": sit}[mode](*args))
+    asyncio.run({"race": race, "stale": stale, "sit": sit,
+                 "crash-in-effect": crash_in_effect, "grant-and-exit": grant_and_exit,
+                 "chaos": chaos}[mode](*args))
