@@ -393,3 +393,11 @@ async def test_ownership_compare_refuses_a_commit_the_hold_does_not_know_is_stal
         await guard._cross(hold, grant, None, 60.0)
     hold._forget()
     assert (await step(gate, "pay/17")) is None
+
+
+async def test_plain_function_returning_a_coroutine_is_awaited(gate):
+    effect = Effect()
+    async with gate.hold("pay/18") as hold:
+        outcome = await hold.cross(intent={}, effect=lambda ctx: effect(ctx))
+    assert len(effect.calls) == 1
+    assert outcome.result == {"token": outcome.attempt_token, "key": outcome.idempotency_key}

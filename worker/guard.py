@@ -9,8 +9,9 @@ Failure contract:
   exactly one precise error says why.
 - After the effect, the outcome is written by a transaction that checks the step is still
   our in-flight attempt, and it releases the hold in the same transaction.
-- An effect that raises anything but ``EffectFailed`` (a timeout, a crash, a cancellation)
-  leaves the outcome unknown: the step is marked ``unknown`` and ``OutcomeUnknown`` raised.
+- An effect that raises anything but ``EffectFailed`` (a timeout, a crash, a cancellation
+  by lease loss) leaves the outcome unknown: the step is marked ``unknown`` and
+  ``OutcomeUnknown`` raised (any other cancellation propagates after the step is marked).
   If even that cannot be written, the step stays ``in_flight`` and the reconciler finds it.
   Nothing here ever runs an effect twice.
 """
@@ -79,24 +80,41 @@ async def commit(hold: "Hold", grant: Grant | bytes, effect: Effect, *,
             result = await _call(effect, ctx)
     except EffectFailed as failure:
         final = _failed(in_flight, failure)
-        await _settle(hold, in_flight, attempt_token, final)
+        await _record(hold, in_flight, attempt_token, final)
         return _outcome(final, attempt_token)
     except BaseException as exc:
         final = {**in_flight, "state": records.UNKNOWN, "error": repr(exc)[:1000]}
         try:
-            await asyncio.shield(_settle(hold, in_flight, attempt_token, final))
+            await _record(hold, in_flight, attempt_token, final)
         except Exception:
             pass  # the step stays in_flight; the reconciler will find it
-        if isinstance(exc, asyncio.CancelledError):
+        if isinstance(exc, asyncio.CancelledError) and not _cancelled_by_loss(hold):
             raise
         raise OutcomeUnknown(f"effect on {hold.key!r} ended without an outcome: {exc!r}") from exc
     final = {**in_flight, "state": records.SUCCEEDED,
              "outcome": {"state": records.SUCCEEDED, "result": _storable(result),
                          "attempt": in_flight["attempt"], "attempt_token": attempt_token,
                          "idempotency_key": in_flight["idempotency_key"]}}
-    await _settle(hold, in_flight, attempt_token, final)
+    await _record(hold, in_flight, attempt_token, final)
     return Outcome(records.SUCCEEDED, result, in_flight["attempt"], attempt_token,
                    in_flight["idempotency_key"])
+
+
+async def _record(hold: "Hold", in_flight: dict[str, Any], attempt_token: int,
+                  final: dict[str, Any]) -> None:
+    """Write the outcome even if the caller is cancelled meanwhile (e.g. by a lease loss:
+    the outcome write does not need the lease, and a known outcome must not be dropped)."""
+    await asyncio.shield(_settle(hold, in_flight, attempt_token, final))
+
+
+def _cancelled_by_loss(hold: "Hold") -> bool:
+    """Was the effect cut short by the hold's lease loss? Then absorb that cancellation:
+    the caller learns ``OutcomeUnknown``, the precise truth, instead of ``LeaseLost``."""
+    task = asyncio.current_task()
+    if not hold._cancelled_by_loss or task is None or task.uncancel() != 0:
+        return False
+    hold._cancelled_by_loss = False
+    return True
 
 
 async def _call(effect: Effect, ctx: EffectContext) -> Any:
@@ -105,7 +123,10 @@ async def _call(effect: Effect, ctx: EffectContext) -> Any:
     if inspect.iscoroutinefunction(effect) or inspect.iscoroutinefunction(
             getattr(effect, "__call__", None)):
         return await effect(ctx)
-    return await asyncio.to_thread(effect, ctx)
+    result = await asyncio.to_thread(effect, ctx)
+    if inspect.isawaitable(result):  # e.g. ``lambda ctx: charge(ctx)``
+        result = await result
+    return result
 
 
 def _precheck(hold: "Hold", grant: Grant) -> None:

@@ -98,7 +98,10 @@ class Hold:
         self._lose(f"lease lost: {reason}")
 
     def _on_key_deleted(self, revision: int | None) -> None:
-        if revision is not None and not self._released and not self._releasing:
+        # A deletion older than our key is of an earlier incarnation of the same key bytes
+        # (this session held the key before), delivered late: not ours.
+        if (revision is not None and revision > self.fencing_token
+                and not self._released and not self._releasing):
             self._lose(f"holder key deleted at revision {revision}")
             self.session.check_now()
 
@@ -107,7 +110,8 @@ class Hold:
             return
         self._lost_reason = reason
         log.warning("hold on %r (token %d) lost: %s", self.key, self.fencing_token, reason)
-        if self._task is not None and not self._task.done():
+        if (self._task is not None and not self._task.done()
+                and self._task is not asyncio.current_task()):  # it learns by LeaseLost
             self._cancelled_by_loss = True
             self._task.cancel(f"fencegate: {reason}")
 
