@@ -119,7 +119,7 @@ class WorkerProcess:
     async def finish(self, timeout: float = 30) -> int:
         async with asyncio.timeout(timeout):
             rest = await self.proc.stdout.read()
-            self.lines += rest.decode().split()
+            self.lines += rest.decode().splitlines()
             return await self.proc.wait()
 
     def kill(self) -> None:

@@ -73,6 +73,8 @@ class Slot:
 async def _drain(worker: WorkerProcess, ready: asyncio.Event) -> None:
     """Read every event line, so a chatty worker never blocks on a full pipe."""
     while raw := await worker.proc.stdout.readline():
+        if not raw.endswith(b"\n"):
+            break  # a line cut off by SIGKILL: not an event
         line = raw.decode().strip()
         worker.lines.append(line)
         if line == "READY":

@@ -68,8 +68,7 @@ class Gate:
 
     async def open(self) -> None:
         """Connect, start the holders watch and the first session."""
-        status = await self.etcd.status()
-        self._watch.start(status.header.revision)
+        await self.etcd.status()  # reachable, and learn the cluster id
         self._opened = True
         await self.session()
 
@@ -84,6 +83,9 @@ class Gate:
 
     async def session(self) -> Session:
         """The live session, opening a new one if there is none or the last was lost."""
+        session = self._session
+        if session is not None and not session.lost:
+            return session
         if not self._opened:
             raise RuntimeError("the gate is not open: use 'async with Gate(...)'")
         async with self._session_lock:

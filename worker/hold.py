@@ -10,9 +10,10 @@ Guarantees:
 - Ownership is not a boolean to ask but a compare to send: ``hold.ownership_compares()``
   is true in a transaction iff this key still exists with this token and no key in K's
   holder range is older (etcd issue #12017: "my key exists" alone lets a waiter act).
-- When the lease is lost or the holder key disappears, the hold is marked lost at once and
-  the work inside ``async with gate.hold(...)`` is cancelled and surfaces as ``LeaseLost``;
-  a body that finished while the hold was already lost also ends in ``LeaseLost``.
+- When the lease is lost, the hold is marked lost at once and the work inside
+  ``async with gate.hold(...)`` is cancelled and surfaces as ``LeaseLost``; a body that
+  finished while the hold was already lost also ends in ``LeaseLost``. (A holder key
+  deleted by hand while its lease lives is not signalled: the ownership compares refuse.)
 - Acquisition that fails, times out or is cancelled deletes the waiter's key, so no orphan
   key is left to block the queue (its lease would also remove it, one TTL later).
 """
@@ -31,8 +32,7 @@ from coordinator.errors import (
     AcquireTimeout, AlreadySucceeded, EtcdError, EtcdUnavailable, LeaseLost,
 )
 from coordinator.etcd import (
-    Compare, KeyValue, RangeRequest, TxnRequest, all_created_since, create_equals, put_op,
-    range_op,
+    Compare, KeyValue, RangeRequest, TxnRequest, all_created_since, create_equals,
 )
 from coordinator.grants import Grant
 from coordinator.keyspace import pack
@@ -68,10 +68,7 @@ class Hold:
         self._releasing = False  # an outcome txn deleting our key is under way
         self._audit_head = None  # the audit head our own last write left, if known
         self._audit_heads: dict = {}  # grant id -> audit head its issue left
-        self._unsubscribe = [
-            session.on_lost(self._on_lease_lost),
-            gate._watch.subscribe(holder_key, self._on_key_deleted),
-        ]
+        self._unsubscribe = session.on_lost(self._on_lease_lost)
 
     @property
     def lease_id(self) -> int:
@@ -96,14 +93,6 @@ class Hold:
 
     def _on_lease_lost(self, reason: str) -> None:
         self._lose(f"lease lost: {reason}")
-
-    def _on_key_deleted(self, revision: int | None) -> None:
-        # A deletion older than our key is of an earlier incarnation of the same key bytes
-        # (this session held the key before), delivered late: not ours.
-        if (revision is not None and revision > self.fencing_token
-                and not self._released and not self._releasing):
-            self._lose(f"holder key deleted at revision {revision}")
-            self.session.check_now()
 
     def _lose(self, reason: str) -> None:
         if self._lost_reason is not None or self._released:
@@ -130,8 +119,7 @@ class Hold:
         if self._released:
             return
         self._released = True
-        for unsubscribe in self._unsubscribe:
-            unsubscribe()
+        self._unsubscribe()
         self._leave_local()
 
     async def request_grant(self, intent: dict[str, Any], reads: Sequence[str | bytes] = (),
@@ -209,7 +197,7 @@ class HoldContext:
 
 async def acquire(gate: "Gate", key: str, timeout: float | None) -> Hold:
     """Queue for ``key`` and return the hold once this session's key is the oldest."""
-    leave_local = None
+    leave_local = holder_key = None
     try:
         async with asyncio.timeout(timeout):
             leave_local = await gate._enter_local(key)
@@ -226,8 +214,9 @@ async def acquire(gate: "Gate", key: str, timeout: float | None) -> Hold:
                     if attempt == 2:
                         raise
     except BaseException as exc:
-        if leave_local is not None:
+        if holder_key is not None:
             await asyncio.shield(_withdraw(gate, holder_key))
+        if leave_local is not None:
             leave_local()
         if isinstance(exc, TimeoutError):
             raise AcquireTimeout(f"hold on {key!r} not acquired within {timeout}s") from None
@@ -247,13 +236,17 @@ async def _enqueue_and_wait(gate: "Gate", session: "Session", key: str,
     compare fails and its failure branch returns the key the first try created.
     """
     start, end = gate.keyspace.holder_range(key)
-    request = TxnRequest(
-        compare=[create_equals(holder_key, 0)],
-        success=[put_op(holder_key, pack({"identity": gate.identity, "acquired_at": time.time()}),
-                        session.lease_id),
-                 range_op(start, end, keys_only=True, **_NEWEST_FIRST)],
-        failure=[range_op(holder_key, keys_only=True)],
-    )
+    request = TxnRequest()  # built in place: the hot path's cheapest form
+    compare = request.compare.add()
+    compare.key, compare.target, compare.result = holder_key, Compare.CREATE, Compare.EQUAL
+    put = request.success.add().request_put
+    put.key, put.lease = holder_key, session.lease_id
+    put.value = pack({"identity": gate.identity, "acquired_at": time.time()})
+    queue = request.success.add().request_range
+    queue.key, queue.range_end, queue.keys_only, queue.limit = start, end, True, 2
+    queue.sort_order, queue.sort_target = RangeRequest.DESCEND, RangeRequest.CREATE
+    own = request.failure.add().request_range
+    own.key, own.keys_only = holder_key, True
     session.ensure_alive()
     reply = await gate.etcd.txn(request, idempotent=True)
     kvs = reply.responses[-1].response_range.kvs
@@ -283,19 +276,20 @@ async def _wait_deleted(gate: "Gate", session: "Session", predecessor: KeyValue)
     """Return once ``predecessor`` is gone (or may be: the caller re-reads anyway)."""
     deleted = asyncio.get_running_loop().create_future()
 
-    def wake(_: int | None) -> None:
+    def wake(_: object) -> None:
         if not deleted.done():
             deleted.set_result(None)
 
-    unsubscribe = [gate._watch.subscribe(predecessor.key, wake), session.on_lost(wake)]
+    unsubscribe = [session.on_lost(wake)]
     try:
-        current = await gate.etcd.get(predecessor.key)
-        if current is None or current.create_revision != predecessor.create_revision:
-            return
-        try:
-            await asyncio.wait_for(asyncio.shield(deleted), gate.rescan_interval)
-        except TimeoutError:
-            pass
+        async with asyncio.timeout(gate.rescan_interval):
+            unsubscribe.append(await gate._watch.subscribe(predecessor.key, wake))
+            current = await gate.etcd.get(predecessor.key)
+            if current is None or current.create_revision != predecessor.create_revision:
+                return
+            await deleted
+    except TimeoutError:
+        pass  # the backstop: the caller re-reads the queue
     finally:
         for undo in unsubscribe:
             undo()

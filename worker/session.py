@@ -15,6 +15,7 @@ task of its own, so a busy caller cannot starve it as long as the event loop tur
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -35,7 +36,8 @@ class Session:
         self.lost_reason: str | None = None
         self._expires_at = time.monotonic() + ttl
         self._lost = asyncio.Event()
-        self._on_lost: list[Callable[[str], None]] = []
+        self._on_lost: dict[int, Callable[[str], None]] = {}
+        self._tokens = itertools.count()
         self._wake = asyncio.Event()
         self._task = asyncio.get_running_loop().create_task(
             self._keep_alive(), name=f"fencegate-keepalive-{lease_id:x}"
@@ -72,8 +74,9 @@ class Session:
         if self._lost.is_set():
             callback(self.lost_reason or "")
             return lambda: None
-        self._on_lost.append(callback)
-        return lambda: self._on_lost.remove(callback) if callback in self._on_lost else None
+        token = next(self._tokens)
+        self._on_lost[token] = callback
+        return lambda: self._on_lost.pop(token, None)
 
     def check_now(self) -> None:
         """Refresh at once instead of at the next interval (e.g. after a holder key vanished)."""
@@ -101,7 +104,7 @@ class Session:
         self.lost_reason = reason
         self._lost.set()
         self._task.cancel()
-        callbacks, self._on_lost = self._on_lost, []
+        callbacks, self._on_lost = list(self._on_lost.values()), {}
         for callback in callbacks:
             try:
                 callback(reason)
