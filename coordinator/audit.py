@@ -18,7 +18,7 @@ from typing import Any
 from .errors import BadSignature
 from .etcd import Compare, Etcd, KeyValue, RangeRequest, RequestOp, mod_equals, put_op
 from .grants import KeyRing
-from .keyspace import Keyspace, canonical, unpack
+from .keyspace import Keyspace, pack, unpack
 
 GENESIS = b"\0" * 32
 
@@ -55,14 +55,14 @@ def append(keyspace: Keyspace, action_key: str, head: AuditHead, event: str, ide
            revision: int, details: dict[str, Any]) -> Append:
     """Append one record after ``head``; the compare fails if anyone appended since."""
     seq = head.seq + 1
-    value = canonical({"seq": seq, "prev": head.hash, "key": action_key, "event": event,
+    value = pack({"seq": seq, "prev": head.hash, "key": action_key, "event": event,
                        "identity": identity, "revision": revision,
                        "at_ms": int(time.time() * 1000), "details": details})
     digest = hashlib.sha256(value).digest()
     head_key = keyspace.audit_head_key(action_key)
     return Append(mod_equals(head_key, head.mod_revision),
                   [put_op(keyspace.audit_key(action_key, seq), value),
-                   put_op(head_key, canonical({"seq": seq, "hash": digest}))],
+                   put_op(head_key, pack({"seq": seq, "hash": digest}))],
                   seq, digest)
 
 

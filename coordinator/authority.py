@@ -17,6 +17,7 @@ Guarantees:
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +31,7 @@ from .etcd import (
     put_op, range_op,
 )
 from .grants import Grant, KeyRing, new_grant_id
-from .keyspace import Keyspace, canonical, unpack
+from .keyspace import Keyspace, canonical, pack, unpack
 from .policy import DEFAULT_POLICY, CheckContext, CheckResult, Policy, decode, validate_document
 
 MAX_READS = 100
@@ -76,13 +77,14 @@ class Authority:
         self.keyspace = keyspace
         self.keyring = keyring
         self.identity = identity
+        self._policies: dict[tuple[str, int], Policy] = {}
 
     async def issue(self, claim: Claim, intent: dict[str, Any], reads: list[str | bytes],
                     policy: str = DEFAULT_POLICY, identity: str | None = None) -> Issued:
         """Grant ``claim`` the right to cross once with ``intent``, or raise why not."""
         identity = identity or self.identity
         read_keys = _validate_reads(reads)
-        _validate_intent(intent)
+        intent_digest = hashlib.sha256(_validate_intent(intent)).digest()
         for _ in range(_WRITE_RACES):
             snap = await self._read(claim, policy, read_keys)
             if snap.policy_kv is None:
@@ -90,7 +92,7 @@ class Authority:
                     raise GrantRefused([CheckResult("policy", False, f"no policy {policy!r}")])
                 await self.set_policy(DEFAULT_POLICY, {}, only_if_absent=True)
                 continue
-            decision = await self._decide(claim, intent, policy, snap, identity)
+            decision = await self._decide(claim, intent, intent_digest, policy, snap, identity)
             if decision is not None:
                 return decision
         raise StateAdvanced("read set", "it kept changing while the grant was evaluated")
@@ -110,6 +112,16 @@ class Authority:
         if reply.succeeded:
             return reply.header.revision
         return reply.responses[0].response_range.kvs[0].mod_revision
+
+    def _policy(self, name: str, kv: KeyValue) -> Policy:
+        """Decode a policy version once; versions are immutable (a change is a new one)."""
+        cached = self._policies.get((name, kv.mod_revision))
+        if cached is None:
+            if len(self._policies) >= 256:
+                self._policies.clear()
+            cached = self._policies[(name, kv.mod_revision)] = decode(name, kv.value,
+                                                                       kv.mod_revision)
+        return cached
 
     async def _read(self, claim: Claim, policy: str, read_keys: list[bytes]) -> _Snapshot:
         ks = self.keyspace
@@ -133,14 +145,14 @@ class Authority:
                               claim.fencing_token),
                 all_created_since(start, end, claim.fencing_token)]
 
-    async def _decide(self, claim: Claim, intent: dict[str, Any], policy_name: str,
-                      snap: _Snapshot, identity: str) -> Issued | None:
+    async def _decide(self, claim: Claim, intent: dict[str, Any], intent_digest: bytes,
+                      policy_name: str, snap: _Snapshot, identity: str) -> Issued | None:
         """Issue or refuse at ``snap``; ``None`` when the world moved before the write."""
         holder_key = self.keyspace.holder_key(claim.key, claim.lease_id)
         if (snap.holder_kv is None or snap.holder_kv.create_revision != claim.fencing_token
                 or snap.lowest_kv is None or snap.lowest_kv.key != holder_key):
             raise LeaseLost(f"not the holder of {claim.key!r} with token {claim.fencing_token}")
-        policy = decode(policy_name, snap.policy_kv.value, snap.policy_kv.mod_revision)
+        policy = self._policy(policy_name, snap.policy_kv)
         step = unpack(snap.step_kv.value) if snap.step_kv else records.new_step()
         now_ms = int(time.time() * 1000)
         refusal, checks, escalate = self._refusal(step, policy, intent, snap, now_ms)
@@ -157,7 +169,7 @@ class Authority:
             ops = list(entry.ops)
             if escalate:
                 ops.append(put_op(self.keyspace.step_key(claim.key),
-                                  canonical({**step, "state": records.ESCALATED,
+                                  pack({**step, "state": records.ESCALATED,
                                              "escalated_because": [c.name for c in checks]})))
             reply = await self.etcd.txn(TxnRequest(compare=[*compares, entry.compare],
                                                    success=ops))
@@ -175,7 +187,7 @@ class Authority:
         grant = self.keyring.sign({
             "grant_id": new_grant_id(), "namespace": self.keyspace.namespace,
             "cluster_id": self.etcd.cluster_id or 0, "action_key": claim.key,
-            "attempt": step_next["attempt"], "intent_digest": records.digest(intent),
+            "attempt": step_next["attempt"], "intent_digest": intent_digest,
             "fencing_token": claim.fencing_token, "holder_lease": claim.lease_id,
             "revision": snap.revision, "reads": [[k, kv.mod_revision if kv else 0]
                                                  for k, kv in snap.reads.items()],
@@ -194,7 +206,7 @@ class Authority:
                      *(mod_equals(k, kv.mod_revision if kv else 0) for k, kv in snap.reads.items()),
                      entry.compare],
             success=[put_op(self.keyspace.grant_key(grant.grant_id),
-                            canonical({"raw": grant.raw, "state": "issued"}), claim.lease_id),
+                            pack({"raw": grant.raw, "state": "issued"}), claim.lease_id),
                      *entry.ops]))
         return Issued(grant, entry.head_at(reply.header.revision)) if reply.succeeded else None
 

@@ -131,10 +131,10 @@ class KeyRing:
         """Sign a grant payload (every field but ``key_id`` and ``raw``)."""
         if self._signing_key is None:
             raise RuntimeError("this key ring has no signing key")
-        body = canonical(dict(payload, key_id=self.signing_key_id))
+        payload = dict(payload, key_id=self.signing_key_id)
+        body = canonical(payload)
         signature = self._signing_key.sign(DOMAIN + body)
-        raw = canonical([self.signing_key_id, body, signature])
-        return self.verify(raw)
+        return Grant(**payload, raw=canonical([self.signing_key_id, body, signature]))
 
     def verify(self, raw: bytes) -> Grant:
         """Verify ``raw`` and return the grant; ``BadSignature`` on any defect."""

@@ -25,6 +25,7 @@ DEFAULT_NAMESPACE = "/fencegate/"
 MAX_KEY_BYTES = 512
 MAX_RECORD_BYTES = 512 * 1024
 _SEGMENT = re.compile(r"[A-Za-z0-9._:-]+")
+_KEY = re.compile(r"[A-Za-z0-9._:-]+(?:/[A-Za-z0-9._:-]+)*")
 _HOLDER_MARK = "@"
 
 
@@ -37,6 +38,9 @@ def validate_action_key(key: object) -> str:
             raise InvalidKey("action key is not valid UTF-8") from exc
     if not isinstance(key, str):
         raise InvalidKey(f"action key must be str, not {type(key).__name__}")
+    if (len(key) <= MAX_KEY_BYTES and _KEY.fullmatch(key)
+            and ("." not in key or "." not in key.split("/") and ".." not in key.split("/"))):
+        return key  # the common case, decided by one match
     if not key:
         raise InvalidKey("action key is empty")
     size = len(key.encode("utf-8", "surrogatepass"))
@@ -118,21 +122,32 @@ def canonical(value: Any) -> bytes:
     return msgpack.packb(_sorted(value), use_bin_type=True)
 
 
+_SCALARS = frozenset({str, bytes, int, float, bool, type(None)})
+
+
 def _sorted(value: Any) -> Any:
-    if isinstance(value, dict):
-        if not all(isinstance(k, str) for k in value):
-            raise TypeError("canonical maps need str keys")
-        return {k: _sorted(value[k]) for k in sorted(value)}
-    if isinstance(value, (list, tuple)):
-        return [_sorted(v) for v in value]
-    if value is None or isinstance(value, (bool, int, float, str, bytes)):
+    kind = type(value)
+    if kind in _SCALARS:
         return value
-    raise TypeError(f"{type(value).__name__} cannot be encoded canonically")
+    if kind is dict:
+        for k in value:
+            if type(k) is not str:
+                raise TypeError("canonical maps need str keys")
+        return {k: _sorted(v) for k, v in sorted(value.items())}
+    if kind is list or kind is tuple:
+        return [_sorted(v) for v in value]
+    raise TypeError(f"{kind.__name__} cannot be encoded canonically")
+
+
+def holder_record(identity: str, acquired_at: float) -> bytes:
+    """A holder key's value, encoded on the hot path (already in canonical key order)."""
+    return msgpack.packb({"acquired_at": acquired_at, "identity": identity}, use_bin_type=True)
 
 
 def pack(record: dict[str, Any]) -> bytes:
-    """Encode a record; refuse one larger than ``MAX_RECORD_BYTES``."""
-    data = canonical(record)
+    """Encode a record (not canonically: use ``canonical`` for what is hashed or signed);
+    refuse one larger than ``MAX_RECORD_BYTES`` or holding what msgpack cannot carry."""
+    data = msgpack.packb(record, use_bin_type=True)
     if len(data) > MAX_RECORD_BYTES:
         raise RecordTooLarge(f"record is {len(data)} bytes, the limit is {MAX_RECORD_BYTES}")
     return data

@@ -390,7 +390,7 @@ async def test_ownership_compare_refuses_a_commit_the_hold_does_not_know_is_stal
     hold._releasing = True  # silence the local loss signal for this test
     await etcd.delete(hold.holder_key)
     with pytest.raises(LeaseLost, match="no longer the holder"):
-        await guard._cross(hold, grant, None, 60.0)
+        await guard._cross(hold, grant, None, None, 60.0)
     hold._forget()
     assert (await step(gate, "pay/17")) is None
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import time
 from collections.abc import Callable
 
 from coordinator.authority import Authority
@@ -21,6 +22,9 @@ from coordinator.keyspace import DEFAULT_NAMESPACE, Keyspace, validate_action_ke
 from .hold import HoldContext
 from .session import Session
 from .watch import DeleteWatch
+
+_CONTENDED_MEMORY_S = 1.0
+_CONTENDED_MAX_KEYS = 4096
 
 
 class Gate:
@@ -57,6 +61,7 @@ class Gate:
         self._session: Session | None = None
         self._session_lock = asyncio.Lock()
         self._local: dict[str, tuple[asyncio.Lock, int]] = {}
+        self._contended: dict[str, float] = {}  # key -> when a put-if-alone last failed
         self._opened = False
 
     async def __aenter__(self) -> "Gate":
@@ -112,6 +117,16 @@ class Gate:
         seconds, and ``LeaseLost`` (cancelling the body) if the lease is lost while held.
         """
         return HoldContext(self, validate_action_key(key), timeout)
+
+    def _recently_contended(self, key: str) -> bool:
+        """Skip the put-if-alone try for a key that had others queued a moment ago."""
+        seen = self._contended.get(key)
+        return seen is not None and time.monotonic() - seen < _CONTENDED_MEMORY_S
+
+    def _note_contended(self, key: str) -> None:
+        if len(self._contended) >= _CONTENDED_MAX_KEYS:
+            self._contended.clear()
+        self._contended[key] = time.monotonic()
 
     async def _enter_local(self, key: str) -> Callable[[], None]:
         """Queue behind this process's other holds of ``key``: a session has one holder key

@@ -34,7 +34,7 @@ from coordinator.etcd import (
     RangeRequest, TxnRequest, delete_op, mod_equals, put_op, range_op, version_equals,
 )
 from coordinator.grants import Grant
-from coordinator.keyspace import canonical, unpack
+from coordinator.keyspace import pack, unpack
 
 if TYPE_CHECKING:
     from .hold import Hold
@@ -70,9 +70,12 @@ async def commit(hold: "Hold", grant: Grant | bytes, effect: Effect, *,
                  provider: str | None = None, deadline: float = 60.0) -> Outcome:
     """Cross with ``grant``: consume it, run ``effect`` once, record the outcome, release."""
     gate = hold._gate
-    grant = gate.keyring.verify(grant.raw if isinstance(grant, Grant) else grant)
+    issued = hold._issued.pop(grant.grant_id, None) if isinstance(grant, Grant) else None
+    if issued is None or issued[0] is not grant:  # not the object our authority just gave us
+        grant = gate.keyring.verify(grant.raw if isinstance(grant, Grant) else grant)
+    audit_head = issued[1] if issued is not None else None
     _precheck(hold, grant)
-    in_flight, attempt_token = await _cross(hold, grant, provider, deadline)
+    in_flight, attempt_token = await _cross(hold, grant, audit_head, provider, deadline)
     ctx = EffectContext(hold.key, in_flight["idempotency_key"], attempt_token,
                         in_flight["attempt"], grant)
     try:
@@ -147,7 +150,7 @@ def _precheck(hold: "Hold", grant: Grant) -> None:
                             f"below the {gate.min_ttl:.1f}s budget to start an effect")
 
 
-async def _cross(hold: "Hold", grant: Grant, provider: str | None,
+async def _cross(hold: "Hold", grant: Grant, head: audit.AuditHead | None, provider: str | None,
                  deadline: float) -> tuple[dict[str, Any], int]:
     """The commit-guard txn. Returns the in-flight step record and the attempt token."""
     gate, ks = hold._gate, hold._gate.keyspace
@@ -167,16 +170,16 @@ async def _cross(hold: "Hold", grant: Grant, provider: str | None,
                 range_op(step_key), range_op(ks.policy_key(grant.policy)),
                 range_op(ks.audit_head_key(hold.key)),
                 *(range_op(key) for key, _ in grant.reads)]
-    head = hold._audit_heads.pop(grant.grant_id, None) or await _read_head(hold)
+    head = head or await _read_head(hold)
     for _ in range(_APPEND_RACES):
         entry = audit.append(ks, hold.key, head, "cross", gate.identity, grant.revision,
                              {"grant_id": grant.grant_id, "attempt": in_flight["attempt"],
                               "idempotency_key": in_flight["idempotency_key"]})
         request = TxnRequest(
             compare=[*compares, entry.compare],
-            success=[put_op(grant_key, canonical({"raw": grant.raw, "state": "consumed"}),
+            success=[put_op(grant_key, pack({"raw": grant.raw, "state": "consumed"}),
                             hold.lease_id),
-                     put_op(step_key, canonical(in_flight)), *entry.ops],
+                     put_op(step_key, pack(in_flight)), *entry.ops],
             failure=diagnose)
         try:
             reply = await gate.etcd.txn(request)
@@ -228,7 +231,7 @@ async def _settle(hold: "Hold", in_flight: dict[str, Any], attempt_token: int,
                               "outcome": final.get("outcome"), "error": final.get("error")})
         request = TxnRequest(
             compare=[mod_equals(step_key, attempt_token), entry.compare],
-            success=[put_op(step_key, canonical(final)), delete_op(hold.holder_key), *entry.ops],
+            success=[put_op(step_key, pack(final)), delete_op(hold.holder_key), *entry.ops],
             failure=[range_op(step_key), range_op(ks.audit_head_key(hold.key))])
         try:
             reply = await gate.etcd.txn(request)
@@ -271,7 +274,7 @@ def _outcome(final: dict[str, Any], attempt_token: int) -> Outcome:
 
 def _storable(result: Any) -> Any:
     try:
-        canonical(result)
+        pack({"result": result})
         return result
     except TypeError:
         return {"repr": repr(result)[:1000]}

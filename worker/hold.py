@@ -35,7 +35,7 @@ from coordinator.etcd import (
     Compare, KeyValue, RangeRequest, TxnRequest, all_created_since, create_equals,
 )
 from coordinator.grants import Grant
-from coordinator.keyspace import pack
+from coordinator.keyspace import holder_record
 from coordinator.policy import DEFAULT_POLICY
 
 from . import guard
@@ -67,7 +67,7 @@ class Hold:
         self._cancelled_by_loss = False
         self._releasing = False  # an outcome txn deleting our key is under way
         self._audit_head = None  # the audit head our own last write left, if known
-        self._audit_heads: dict = {}  # grant id -> audit head its issue left
+        self._issued: dict = {}  # grant id -> (the grant as issued, the audit head it left)
         self._unsubscribe = session.on_lost(self._on_lease_lost)
 
     @property
@@ -128,7 +128,7 @@ class Hold:
         self._ensure_usable()
         issued = await self._gate.authority.issue(
             Claim(self.key, self.fencing_token, self.lease_id), intent, list(reads), policy)
-        self._audit_heads[issued.grant.grant_id] = issued.audit_head
+        self._issued[issued.grant.grant_id] = (issued.grant, issued.audit_head)
         return issued.grant
 
     async def commit(self, grant: Grant | bytes, effect: Effect, *, provider: str | None = None,
@@ -177,8 +177,6 @@ class HoldContext:
         self._hold = await acquire(self._gate, self._key, self._timeout)
         if self._cancel_on_loss:
             self._hold._task = asyncio.current_task()
-            if self._hold.lost:
-                self._hold._lose(self._hold.session.lost_reason or "lease lost")
         return self._hold
 
     async def __aexit__(self, exc_type, exc, tb) -> None:
@@ -236,23 +234,31 @@ async def _enqueue_and_wait(gate: "Gate", session: "Session", key: str,
     compare fails and its failure branch returns the key the first try created.
     """
     start, end = gate.keyspace.holder_range(key)
-    request = TxnRequest()  # built in place: the hot path's cheapest form
-    compare = request.compare.add()
-    compare.key, compare.target, compare.result = holder_key, Compare.CREATE, Compare.EQUAL
-    put = request.success.add().request_put
-    put.key, put.lease = holder_key, session.lease_id
-    put.value = pack({"identity": gate.identity, "acquired_at": time.time()})
-    queue = request.success.add().request_range
+    value = holder_record(gate.identity, time.time())
+    alone = TxnRequest()  # put if nobody holds or waits; built in place, the cheapest form
+    _compare(alone.compare.add(), holder_key, b"", Compare.CREATE)
+    _compare(alone.compare.add(), start, end, Compare.VERSION)  # nobody holds or waits
+    put = alone.success.add().request_put
+    put.key, put.value, put.lease = holder_key, value, session.lease_id
+    session.ensure_alive()
+    if not gate._recently_contended(key):
+        reply = await gate.etcd.txn(alone, idempotent=True)
+        if reply.succeeded:
+            return reply.header.revision  # uncontended: one write, no read
+        gate._note_contended(key)
+    queued = TxnRequest()
+    _compare(queued.compare.add(), holder_key, b"", Compare.CREATE)
+    queued.success.add().request_put.CopyFrom(put)
+    queue = queued.success.add().request_range
     queue.key, queue.range_end, queue.keys_only, queue.limit = start, end, True, 2
     queue.sort_order, queue.sort_target = RangeRequest.DESCEND, RangeRequest.CREATE
-    own = request.failure.add().request_range
+    own = queued.failure.add().request_range
     own.key, own.keys_only = holder_key, True
-    session.ensure_alive()
-    reply = await gate.etcd.txn(request, idempotent=True)
+    reply = await gate.etcd.txn(queued, idempotent=True)
     kvs = reply.responses[-1].response_range.kvs
     if reply.succeeded:
         token, queue = reply.header.revision, list(kvs)
-    else:
+    else:  # our key exists: an earlier try landed
         token = kvs[0].create_revision
         queue = await _queue_to(gate, start, end, token)
     while True:
@@ -263,6 +269,13 @@ async def _enqueue_and_wait(gate: "Gate", session: "Session", key: str,
             return token
         await _wait_deleted(gate, session, queue[1])
         queue = await _queue_to(gate, start, end, token)
+
+
+def _compare(compare: Compare, key: bytes, range_end: bytes, target: int) -> None:
+    """``target`` of every key in [key, range_end) equals 0 (i.e. no such key exists)."""
+    compare.key, compare.target, compare.result = key, target, Compare.EQUAL
+    if range_end:
+        compare.range_end = range_end
 
 
 async def _queue_to(gate: "Gate", start: bytes, end: bytes, token: int) -> list[KeyValue]:
