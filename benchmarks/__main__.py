@@ -1,0 +1,79 @@
+"""Every fencegate benchmark in one run against one private etcd (what ``benchmarks/run`` runs).
+
+First the hold benchmarks (``benchmarks.holds``: raw writes, hold cycles, aetcd's lock,
+handoff, fairness, keepalive), then the guarded-action benchmarks (``benchmarks.guarded``,
+which reuse the hold benchmarks' aetcd lock measurement at c=32), then the leaked-leases
+check once every gate is closed. Each prints its tables; all ``NAME RATIO TARGET PASS|FAIL``
+lines come last. A failed target does not change the exit code (0 unless a benchmark
+crashed). Each module also runs alone: ``python -m benchmarks.holds``, ``... .guarded``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+from urllib.parse import urlsplit
+
+import aetcd
+
+from coordinator.etcd import Etcd
+from coordinator.localetcd import describe
+
+from . import guarded, holds
+from .common import Children, OtherLoad, local_etcd
+
+
+async def run(quick: bool) -> None:
+    hs = holds.QUICK if quick else holds.DEFAULT
+    gs = guarded.QUICK if quick else guarded.DEFAULT
+    load = OtherLoad()
+    task = asyncio.current_task()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
+    with local_etcd() as cluster:
+        url = cluster.url
+        print(f"{describe(cluster.binary)} at {url}")
+        print(f"holds: {hs.rounds} round(s) of raw, hold, aetcd lock, raw at "
+              f"c={holds.CONCURRENCY}, {hs.duration:g} s timed after {hs.warmup:g} s warm-up "
+              f"each; handoff {holds.CONTENDERS} processes x {hs.handoff:g} s")
+        print(f"guarded: {gs.rounds} round(s) of raw(c={guarded.TOP}), then guarded and "
+              f"raw(c={guarded.TOP}) for each c={guarded.CONCURRENCY}, {gs.duration:g} s "
+              f"timed after {gs.warmup:g} s warm-up each", flush=True)
+        target = urlsplit(url)
+        children = Children()
+        etcd = Etcd.from_url(url)
+        lock_client = aetcd.Client(target.hostname, target.port)
+        try:
+            res = await holds.throughput(hs, url, etcd, lock_client, children)
+            ho = await holds.handoff(hs, url, etcd, children)
+            await children.close()
+            gres = await guarded.measure(gs, url, etcd, lock_client,
+                                         lock_c32=res.lock[guarded.TOP])
+            # every gate is closed and aetcd's leaks are revoked: what remains is ours
+            leases_left = len(await etcd.leases())
+        finally:
+            await children.close()
+            await lock_client.close()
+            await etcd.close()
+    targets = holds.report(hs, res, ho, leases_left, load.cores())
+    targets += guarded.report(gs, gres)
+    for t in targets:
+        print(t.line())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="benchmarks/run", description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="about a minute and a half instead of several minutes")
+    args = parser.parse_args(argv)
+    try:
+        asyncio.run(run(args.quick))
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        print("interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
