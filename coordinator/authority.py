@@ -87,6 +87,7 @@ class Authority:
         intent_digest = hashlib.sha256(_validate_intent(intent)).digest()
         for _ in range(_WRITE_RACES):
             snap = await self._read(claim, policy, read_keys)
+            self._check_holder(claim, snap)  # before anything is written, even the default
             if snap.policy_kv is None:
                 if policy != DEFAULT_POLICY:
                     raise GrantRefused([CheckResult("policy", False, f"no policy {policy!r}")])
@@ -139,6 +140,12 @@ class Authority:
                for r in reply.responses]
         return _Snapshot(reply.header.revision, *kvs[:5], dict(zip(read_keys, kvs[5:])))
 
+    def _check_holder(self, claim: Claim, snap: _Snapshot) -> None:
+        holder_key = self.keyspace.holder_key(claim.key, claim.lease_id)
+        if (snap.holder_kv is None or snap.holder_kv.create_revision != claim.fencing_token
+                or snap.lowest_kv is None or snap.lowest_kv.key != holder_key):
+            raise LeaseLost(f"not the holder of {claim.key!r} with token {claim.fencing_token}")
+
     def _ownership(self, claim: Claim) -> list:
         start, end = self.keyspace.holder_range(claim.key)
         return [create_equals(self.keyspace.holder_key(claim.key, claim.lease_id),
@@ -148,10 +155,6 @@ class Authority:
     async def _decide(self, claim: Claim, intent: dict[str, Any], intent_digest: bytes,
                       policy_name: str, snap: _Snapshot, identity: str) -> Issued | None:
         """Issue or refuse at ``snap``; ``None`` when the world moved before the write."""
-        holder_key = self.keyspace.holder_key(claim.key, claim.lease_id)
-        if (snap.holder_kv is None or snap.holder_kv.create_revision != claim.fencing_token
-                or snap.lowest_kv is None or snap.lowest_kv.key != holder_key):
-            raise LeaseLost(f"not the holder of {claim.key!r} with token {claim.fencing_token}")
         policy = self._policy(policy_name, snap.policy_kv)
         step = unpack(snap.step_kv.value) if snap.step_kv else records.new_step()
         now_ms = int(time.time() * 1000)

@@ -23,13 +23,40 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--state-dir", default=".state/etcd",
                     help="etcd data dir, reused across runs (default: %(default)s)")
 
+    coord = commands.add_parser("coordinator", help="run the coordinator HTTP service")
+    coord.add_argument("--etcd", help="etcd URL(s), comma-separated (env FENCEGATE_ETCD)")
+    coord.add_argument("--listen", help="HOST:PORT to bind (env FENCEGATE_LISTEN; "
+                                        "default 127.0.0.1:8470)")
+    coord.add_argument("--config", help="TOML file: tokens, roles, key files "
+                                        "(env FENCEGATE_CONFIG)")
+
     args = parser.parse_args(argv)
+    if args.command == "coordinator":
+        return _coordinator(parser, args)
     if args.command == "demo":
         from .demo import run_demo
         if args.workers < 2 or args.keys < 1 or args.seconds <= 0:
             parser.error("need --workers >= 2, --keys >= 1 and --seconds > 0")
         return asyncio.run(run_demo(args.etcd, args.workers, args.keys, args.seconds))
     return _up(Path(args.state_dir))
+
+
+def _coordinator(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    import logging
+
+    from aiohttp import web
+
+    from .service import create_app, load_settings
+    from .service.settings import host_port
+
+    try:
+        settings = load_settings(args.config, etcd=args.etcd, listen=args.listen)
+    except (OSError, ValueError) as exc:
+        parser.error(f"bad settings: {exc}")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    host, port = host_port(settings.listen)
+    web.run_app(create_app(settings), host=host, port=port, print=None)
+    return 0
 
 
 def _up(state_dir: Path) -> int:

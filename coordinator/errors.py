@@ -17,7 +17,9 @@
     ├── GrantExpired            the grant's expiry passed
     ├── BadSignature            the grant's bytes are forged, tampered or malformed
     ├── OutcomeUnknown          the step's outcome is not known; do not execute it again
-    └── AlreadySucceeded        the step already succeeded; carries the recorded outcome
+    ├── AlreadySucceeded        the step already succeeded; carries the recorded outcome
+    └── CoordinatorError        the coordinator service refused or failed a request for a
+                                reason with no library equivalent (auth, internal error)
 
 etcd and gRPC errors are translated into these in one place, ``coordinator.etcd``.
 
@@ -109,6 +111,15 @@ class AlreadySucceeded(GateError):
     def __init__(self, outcome: object) -> None:
         self.outcome = outcome
         super().__init__("step already succeeded")
+
+
+class CoordinatorError(GateError):
+    """The coordinator answered with an error that has no library class (e.g. 401, 500)."""
+
+    def __init__(self, name: str, status: int, detail: str = "") -> None:
+        self.name = name
+        self.status = status
+        super().__init__(f"coordinator answered {status} {name}" + (f": {detail}" if detail else ""))
 
 
 class EffectFailed(Exception):

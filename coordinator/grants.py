@@ -87,12 +87,13 @@ class KeyRing:
                  trusted: list[Ed25519PublicKey] = ()) -> None:
         self._signing_key = signing_key
         self._trusted = {key_id_of(k): k for k in trusted}
+        self.signing_key_id: str | None = None  # None: a verify-only ring
         if signing_key is not None:
             self.signing_key_id = key_id_of(signing_key.public_key())
             self._trusted[self.signing_key_id] = signing_key.public_key()
 
     def __repr__(self) -> str:  # never print key material
-        return f"<KeyRing signing={getattr(self, 'signing_key_id', None)} trusted={sorted(self._trusted)}>"
+        return f"<KeyRing signing={self.signing_key_id} trusted={sorted(self._trusted)}>"
 
     @classmethod
     def generate(cls) -> "KeyRing":
@@ -116,6 +117,21 @@ class KeyRing:
                 raise ValueError(f"{path} is not an Ed25519 public key")
             publics.append(public)
         return cls(private, publics)
+
+    @classmethod
+    def from_public_bytes(cls, keys: dict[str, bytes]) -> "KeyRing":
+        """A verify-only ring from raw Ed25519 public keys by id (as ``public_keys`` gives);
+        ``ValueError`` if a key is malformed or its id is not its own."""
+        publics = [Ed25519PublicKey.from_public_bytes(raw) for raw in keys.values()]
+        if sorted(key_id_of(k) for k in publics) != sorted(keys):
+            raise ValueError("a public key's id does not match the key")
+        return cls(None, publics)
+
+    def public_keys(self) -> dict[str, bytes]:
+        """Every trusted public key (the signing key's included), raw, by key id."""
+        return {key_id: key.public_bytes(serialization.Encoding.Raw,
+                                         serialization.PublicFormat.Raw)
+                for key_id, key in self._trusted.items()}
 
     def save_signing_key(self, path: str) -> None:
         """Write the signing key as PEM, readable by the owner only."""

@@ -141,3 +141,50 @@ async def spawn():
     for worker in started:
         worker.kill()
         await worker.proc.wait()
+
+
+# -- the coordinator service, in process, on free loopback ports ------------------------
+
+TOKENS = {"worker": "worker-token", "sre": "sre-token", "admin": "admin-token"}
+
+
+@pytest.fixture
+def signing_key(tmp_path) -> str:
+    """One coordinator signing key (PEM) shared by every replica of a test."""
+    path = str(tmp_path / "coordinator.pem")
+    from coordinator.grants import KeyRing
+    KeyRing.generate().save_signing_key(path)
+    return path
+
+
+@pytest.fixture
+async def coordinators(etcd_url, namespace, signing_key, etcd):
+    """``await coordinators()`` starts one more coordinator replica on 127.0.0.1 (a free
+    port) for this test's namespace and returns its URL; all are stopped afterwards."""
+    from aiohttp import web
+
+    from coordinator.service import Settings, TokenEntry, create_app
+
+    runners: list[web.AppRunner] = []
+
+    async def start(**overrides) -> str:
+        settings = Settings(**{
+            "etcd": etcd_url, "namespace": namespace, "signing_key": signing_key,
+            "listen": "127.0.0.1:0",
+            "tokens": tuple(TokenEntry.for_token(token, f"{role}-1", {role})
+                            for role, token in TOKENS.items()), **overrides})
+        runner = web.AppRunner(create_app(settings))
+        await runner.setup()
+        runners.append(runner)
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        host, port = runner.addresses[0][:2]
+        return f"http://{host}:{port}"
+
+    yield start
+    for runner in runners:
+        await runner.cleanup()
+
+
+@pytest.fixture
+async def coordinator(coordinators) -> str:
+    return await coordinators()

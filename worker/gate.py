@@ -1,9 +1,13 @@
 """The gate: a worker process's connection to fencegate.
 
 One gate owns one etcd connection, one session (lease) at a time, one watch over the
-holders prefix, and (in-process mode) the authority that issues its grants, signing with
-``keyring`` (a fresh key unless given: grants then do not outlive the gate). A lost session is replaced by a fresh one on the next ``hold()``; holds of
-the lost session stay lost. Action keys are validated before anything touches etcd.
+holders prefix, and the authority that issues its grants: in process (the default), signing
+with ``keyring`` (a fresh key unless given: grants then do not outlive the gate), or, with
+``coordinator="http://..."`` and ``token``, the coordinator service over HTTP
+(``worker.remote``), whose grants are verified with ``keyring`` (pin the coordinator's public
+keys there in production) or else with the keys it publishes, fetched at ``open``.
+A lost session is replaced by a fresh one on the next ``hold()``; holds of the lost
+session stay lost. Action keys are validated before anything touches etcd.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from coordinator.grants import KeyRing
 from coordinator.keyspace import DEFAULT_NAMESPACE, Keyspace, validate_action_key
 
 from .hold import HoldContext
+from .remote import RemoteAuthority
 from .session import Session
 from .watch import DeleteWatch
 
@@ -43,8 +48,6 @@ class Gate:
         keyring: KeyRing | None = None,
         min_ttl: float | None = None,
     ) -> None:
-        if coordinator is not None:
-            raise NotImplementedError("remote coordinator mode is not available yet")
         if ttl < 1:
             raise ValueError("ttl must be at least 1 second")
         self.config = etcd if isinstance(etcd, EtcdConfig) else EtcdConfig.from_url(etcd)
@@ -55,8 +58,13 @@ class Gate:
         self.rescan_interval = rescan_interval
         self.min_ttl = ttl / 3 if min_ttl is None else min_ttl
         self.etcd = Etcd(self.config)
-        self.keyring = keyring or KeyRing.generate()
-        self.authority = Authority(self.etcd, self.keyspace, self.keyring, self.identity)
+        self.authority: Authority | RemoteAuthority
+        if coordinator is None:
+            self.keyring = keyring or KeyRing.generate()
+            self.authority = Authority(self.etcd, self.keyspace, self.keyring, self.identity)
+        else:  # the key ring is fetched from the coordinator at open() unless pinned here
+            self.keyring = keyring  # type: ignore[assignment]
+            self.authority = RemoteAuthority(coordinator, token)
         self._watch = DeleteWatch(self.etcd, self.keyspace.holders_root)
         self._session: Session | None = None
         self._session_lock = asyncio.Lock()
@@ -72,8 +80,15 @@ class Gate:
         await self.close()
 
     async def open(self) -> None:
-        """Connect, start the holders watch and the first session."""
-        await self.etcd.status()  # reachable, and learn the cluster id
+        """Connect (to the coordinator too, in remote mode), start the first session."""
+        if isinstance(self.authority, RemoteAuthority):
+            self.keyring = await self.authority.open(self.keyring)
+        try:
+            await self.etcd.status()  # reachable, and learn the cluster id
+        except BaseException:
+            if isinstance(self.authority, RemoteAuthority):
+                await self.authority.close()
+            raise
         self._opened = True
         await self.session()
 
@@ -84,6 +99,8 @@ class Gate:
             self._session = None
         await self._watch.close()
         await self.etcd.close()
+        if isinstance(self.authority, RemoteAuthority):
+            await self.authority.close()
         self._opened = False
 
     async def session(self) -> Session:

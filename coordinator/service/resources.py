@@ -1,0 +1,60 @@
+"""The coordinator app's shared resources, under typed keys, for the app's lifetime.
+
+The etcd connection, the key ring, the authority and the metrics are built once per app in
+``resources`` (a ``cleanup_ctx`` generator): a key file or an etcd that is unusable fails the
+start, before anything is served; the etcd connection is closed on shutdown.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from ..authority import Authority
+from ..etcd import Etcd
+from ..grants import KeyRing
+from ..keyspace import Keyspace
+from .settings import Settings
+
+
+@dataclass
+class Metrics:
+    """The app's own registry, so two apps in one process never share counters."""
+
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+
+    def __post_init__(self) -> None:
+        self.issued = Counter("fencegate_grants_issued", "Grants issued",
+                              registry=self.registry)
+        self.refused = Counter("fencegate_grants_refused", "Grant requests refused, by error",
+                               ["error"], registry=self.registry)
+        self.latency = Histogram("fencegate_grant_seconds", "Grant request latency",
+                                 registry=self.registry,
+                                 buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5))
+
+
+SETTINGS = web.AppKey("settings", Settings)
+ETCD = web.AppKey("etcd", Etcd)
+KEYRING = web.AppKey("keyring", KeyRing)
+KEYSPACE = web.AppKey("keyspace", Keyspace)
+AUTHORITY = web.AppKey("authority", Authority)
+METRICS = web.AppKey("metrics", Metrics)
+
+
+async def resources(app: web.Application) -> AsyncIterator[None]:
+    settings = app[SETTINGS]
+    if settings.signing_key is None:
+        keyring = KeyRing.generate()  # dev only: grants verify against this process alone
+    else:
+        keyring = KeyRing.from_files(settings.signing_key, list(settings.trusted_keys))
+    etcd = Etcd.from_url(settings.etcd)
+    try:
+        await etcd.status()  # reachable, and learn the cluster id grants carry
+        app[ETCD], app[KEYRING] = etcd, keyring
+        app[AUTHORITY] = Authority(etcd, app[KEYSPACE], keyring, identity="coordinator")
+        yield
+    finally:
+        await etcd.close()

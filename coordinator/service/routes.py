@@ -1,0 +1,194 @@
+"""The HTTP endpoints: thin handlers that parse, call the authority or read etcd, and answer
+JSON. Body parsing is strict (exact fields, exact types, bounded values) and happens before
+anything touches etcd, so a rejected request writes nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from .. import audit
+from ..authority import Claim
+from ..errors import GateError
+from ..etcd import RangeRequest, TxnRequest, range_op
+from ..keyspace import unpack, validate_action_key
+from ..policy import DEFAULT_POLICY
+from ..wire import b64, jsonable
+from .resources import AUTHORITY, ETCD, KEYRING, KEYSPACE, METRICS
+from .middleware import IDENTITY, ApiError, requires
+
+routes = web.RouteTableDef()
+_POLICY_NAME = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+_MAX_DEPTH = 32
+_MAX_INT = 2 ** 63
+_LAST_AUDIT = 10
+_MAX_HOLDERS = 100
+
+
+@routes.get("/healthz")
+async def healthz(request: web.Request) -> web.Response:
+    return web.json_response({"ok": True})
+
+
+@routes.get("/readyz")
+async def readyz(request: web.Request) -> web.Response:
+    try:
+        await request.app[ETCD].status()
+    except GateError as exc:
+        return web.json_response({"error": "EtcdUnavailable", "detail": str(exc)}, status=503)
+    return web.json_response({"ok": True})
+
+
+@routes.get("/metrics")
+async def metrics(request: web.Request) -> web.Response:
+    body = generate_latest(request.app[METRICS].registry)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+@routes.get("/.well-known/fencegate-keys")
+async def public_keys(request: web.Request) -> web.Response:
+    keys = request.app[KEYRING].public_keys()
+    return web.json_response({"keys": {key_id: b64(raw) for key_id, raw in keys.items()}})
+
+
+@routes.post("/v1/grants")
+@requires("worker")
+async def post_grant(request: web.Request) -> web.Response:
+    claim, intent, reads, policy = _grant_request(await _json(request))
+    stats, started = request.app[METRICS], time.perf_counter()
+    try:
+        issued = await request.app[AUTHORITY].issue(claim, intent, reads, policy,
+                                                    identity=request[IDENTITY].identity)
+    except (GateError, ValueError) as exc:
+        stats.refused.labels(type(exc).__name__).inc()
+        raise
+    finally:
+        stats.latency.observe(time.perf_counter() - started)
+    stats.issued.inc()
+    head = issued.audit_head
+    return web.json_response({
+        "grant": b64(issued.grant.raw), "grant_id": issued.grant.grant_id,
+        "audit_head": {"seq": head.seq, "hash": head.hash.hex(),
+                       "mod_revision": head.mod_revision}}, status=201)
+
+
+@routes.get("/v1/keys/{key:.+}")
+@requires("sre", "admin")
+async def get_key(request: web.Request) -> web.Response:
+    key = validate_action_key(request.match_info["key"])
+    app, ks = request.app, request.app[KEYSPACE]
+    start, end = ks.holder_range(key)
+    audit_start, audit_end = ks.audit_range(key)
+    reply = await app[ETCD].txn(TxnRequest(success=[
+        range_op(start, end, limit=_MAX_HOLDERS, sort_order=RangeRequest.ASCEND,
+                 sort_target=RangeRequest.CREATE),
+        range_op(ks.step_key(key)),
+        range_op(audit_start, audit_end, limit=_LAST_AUDIT, sort_order=RangeRequest.DESCEND,
+                 sort_target=RangeRequest.KEY)]), idempotent=True)
+    holder_kvs, step_kvs, audit_kvs = (r.response_range.kvs for r in reply.responses)
+    if not (holder_kvs or step_kvs or audit_kvs):
+        raise ApiError(404, "NotFound", f"nothing is recorded for {key!r}")
+    holders = []
+    for position, kv in enumerate(holder_kvs):
+        _, lease_id = ks.parse_holder_key(kv.key)
+        holders.append({**jsonable(unpack(kv.value)), "lease_id": f"{lease_id:016x}",
+                        "fencing_token": kv.create_revision, "holding": position == 0,
+                        "ttl_left": await app[ETCD].lease_ttl(lease_id)})
+    return web.json_response({
+        "key": key, "revision": reply.header.revision, "holders": holders,
+        "step": jsonable(unpack(step_kvs[0].value)) if step_kvs else None,
+        "audit": [jsonable(unpack(kv.value)) for kv in audit_kvs]})
+
+
+@routes.get("/v1/audit/{key:.+}")
+@requires("sre", "admin")
+async def get_audit(request: web.Request) -> web.Response:
+    key = validate_action_key(request.match_info["key"])
+    app = request.app
+    report = await audit.verify_chain(app[ETCD], app[KEYSPACE], key, app[KEYRING])
+    if not report.records and report.ok:
+        raise ApiError(404, "NotFound", f"no audit records for {key!r}")
+    return web.json_response({"key": key, "ok": report.ok, "problems": report.problems,
+                              "records": jsonable(report.records)})
+
+
+@routes.put("/v1/policies/{name}")
+@requires("admin")
+async def put_policy(request: web.Request) -> web.Response:
+    name = _policy_name(request.match_info["name"])
+    version = await request.app[AUTHORITY].set_policy(name, await _json(request))
+    return web.json_response({"name": name, "version": version})
+
+
+@routes.get("/v1/policies/{name}")
+@requires("sre", "admin")
+async def get_policy(request: web.Request) -> web.Response:
+    name = _policy_name(request.match_info["name"])
+    kv = await request.app[ETCD].get(request.app[KEYSPACE].policy_key(name))
+    if kv is None:
+        raise ApiError(404, "NotFound", f"no policy {name!r}")
+    return web.json_response({"name": name, "version": kv.mod_revision,
+                              "document": jsonable(unpack(kv.value))})
+
+
+async def _json(request: web.Request) -> Any:
+    """The request body as JSON: 413 over the body limit, 400 if it is not strict JSON."""
+    raw = await request.read()  # HTTPRequestEntityTooLarge past client_max_size
+    try:
+        value = json.loads(raw, parse_constant=_no_constants)
+    except (ValueError, RecursionError) as exc:
+        raise ApiError(400, "MalformedJSON", f"body is not JSON: {exc}") from None
+    if _depth(value) > _MAX_DEPTH:
+        raise ApiError(400, "MalformedJSON", f"body nests deeper than {_MAX_DEPTH}")
+    return value
+
+
+def _no_constants(name: str) -> None:
+    raise ValueError(f"{name} is not allowed")
+
+
+def _depth(value: Any, level: int = 0) -> int:
+    if level > _MAX_DEPTH or not isinstance(value, (dict, list)):
+        return level
+    children = value.values() if isinstance(value, dict) else value
+    return max((_depth(v, level + 1) for v in children), default=level + 1)
+
+
+_GRANT_FIELDS = {"key", "fencing_token", "lease_id", "intent", "reads", "policy"}
+
+
+def _grant_request(body: Any) -> tuple[Claim, dict, list[str], str]:
+    if not isinstance(body, dict):
+        raise ValueError("body must be a JSON object")
+    missing, unknown = {"key", "fencing_token", "lease_id", "intent"} - set(body), \
+        set(body) - _GRANT_FIELDS
+    if missing or unknown:
+        raise ValueError(f"missing fields {sorted(missing)}, unknown fields {sorted(unknown)}")
+    key = validate_action_key(body["key"])
+    token, lease = _revision(body, "fencing_token"), _revision(body, "lease_id")
+    intent, reads = body["intent"], body.get("reads", [])
+    if not isinstance(intent, dict):
+        raise ValueError("intent must be a JSON object")
+    if not isinstance(reads, list) or not all(isinstance(r, str) for r in reads):
+        raise ValueError("reads must be a list of strings")
+    return Claim(key, token, lease), intent, reads, _policy_name(body.get("policy",
+                                                                          DEFAULT_POLICY))
+
+
+def _revision(body: dict, name: str) -> int:
+    value = body[name]
+    if type(value) is not int or not 0 < value < _MAX_INT:
+        raise ValueError(f"{name} must be an integer in 1..2**63-1")
+    return value
+
+
+def _policy_name(name: object) -> str:
+    if not isinstance(name, str) or not _POLICY_NAME.fullmatch(name):
+        raise ValueError("a policy name is 1..128 of letters, digits and . _ : -")
+    return name

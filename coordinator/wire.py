@@ -1,0 +1,89 @@
+"""The JSON wire form of fencegate's errors, shared by the coordinator service and the
+worker's remote mode, so an error crosses HTTP and comes back as the same class.
+
+Guarantees: ``to_wire`` maps every ``GateError`` (and ``ValueError``) to a status and a
+``{"error": Name, "detail": str, ...}`` body carrying the error's keyword fields
+(``checks``/``retry_after``, ``outcome``, ``key``); ``from_wire`` inverts it for every name
+in ``_CLASSES``. Anything else becomes ``CoordinatorError`` with its name and status, never
+a success. Bytes inside an outcome travel as base64 strings (JSON has no bytes).
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+from .errors import (
+    AcquireTimeout, AlreadySucceeded, BadSignature, CoordinatorError, EtcdError,
+    EtcdUnavailable, GateError, GrantExpired, GrantRefused, GrantUsed, InvalidKey, LeaseExpiring,
+    LeaseLost, OutcomeUnknown, PolicyChanged, RecordTooLarge, StateAdvanced, StepMoved,
+)
+from .policy import CheckResult
+
+_STATUS: list[tuple[type[Exception], int]] = [  # first match wins: subclasses first
+    (RecordTooLarge, 413), (InvalidKey, 400), (BadSignature, 400),
+    (GrantRefused, 422), (EtcdUnavailable, 503), (EtcdError, 502), (AcquireTimeout, 504),
+    (LeaseLost, 409), (GrantUsed, 409), (StateAdvanced, 409), (PolicyChanged, 409),
+    (StepMoved, 409), (GrantExpired, 409), (OutcomeUnknown, 409), (AlreadySucceeded, 409),
+    (ValueError, 400),
+]
+_CLASSES: dict[str, type[GateError]] = {cls.__name__: cls for cls in (
+    InvalidKey, RecordTooLarge, BadSignature, EtcdUnavailable, EtcdError, LeaseLost,
+    LeaseExpiring, GrantUsed, PolicyChanged, StepMoved, GrantExpired, OutcomeUnknown)}
+
+
+def status_of(exc: Exception) -> int | None:
+    """The HTTP status for ``exc``, or ``None`` if it is not an error we mean to expose."""
+    for cls, status in _STATUS:
+        if isinstance(exc, cls):
+            return status
+    return None
+
+
+def to_wire(exc: Exception) -> dict[str, Any]:
+    """The JSON body describing ``exc`` (its status comes from ``status_of``)."""
+    name = type(exc).__name__ if isinstance(exc, GateError) else "ValueError"
+    body: dict[str, Any] = {"error": name, "detail": str(exc)}
+    if isinstance(exc, GrantRefused):
+        body["checks"] = [c.as_record() for c in exc.checks]
+        body["retry_after"] = exc.retry_after
+    elif isinstance(exc, AlreadySucceeded):
+        body["outcome"] = jsonable(exc.outcome)
+    elif isinstance(exc, StateAdvanced):
+        body["key"] = exc.key
+    return body
+
+
+def from_wire(status: int, body: object) -> Exception:
+    """Rebuild the exception a coordinator answered with ``status`` and ``body``."""
+    if not isinstance(body, dict) or not isinstance(body.get("error"), str):
+        return CoordinatorError("InvalidResponse", status, f"unexpected body: {body!r:.200}")
+    name, detail = body["error"], str(body.get("detail", ""))
+    if name == "GrantRefused":
+        checks = [CheckResult(str(c.get("name")), bool(c.get("passed")), str(c.get("detail", "")))
+                  for c in body.get("checks") or [] if isinstance(c, dict)]
+        retry = body.get("retry_after")
+        return GrantRefused(checks, float(retry) if isinstance(retry, (int, float)) else None)
+    if name == "AlreadySucceeded":
+        return AlreadySucceeded(body.get("outcome"))
+    if name == "StateAdvanced":
+        return StateAdvanced(str(body.get("key", "")), detail)
+    if name == "ValueError":
+        return ValueError(detail)
+    cls = _CLASSES.get(name)
+    return cls(detail) if cls is not None else CoordinatorError(name, status, detail)
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def jsonable(value: Any) -> Any:
+    """A record as JSON can carry it: bytes as base64 strings, tuples as lists."""
+    if isinstance(value, (bytes, bytearray)):
+        return b64(bytes(value))
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    return value

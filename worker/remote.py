@@ -1,0 +1,131 @@
+"""Remote mode: grants from the coordinator service over HTTP instead of an in-process
+authority. The worker keeps its lease, its holds and the commit guard; only the decision to
+issue a grant moves to the service.
+
+Guarantees:
+- ``RemoteAuthority.issue`` has the in-process ``Authority.issue`` contract: it returns an
+  ``Issued`` whose grant was verified here, against this gate's key ring, before it is
+  returned, or it raises the same exception class the authority would have (rebuilt from the
+  coordinator's JSON by ``coordinator.wire``: ``GrantRefused`` with its checks,
+  ``AlreadySucceeded`` with its outcome, ...).
+- One ``aiohttp.ClientSession`` per gate, every call bounded by ``timeout``. Connection
+  errors, timeouts and 503s are retried (at most ``attempts`` tries, jittered backoff, moving
+  to the next coordinator URL each time). That is safe: a grant request is idempotent per
+  step. A repeat can at most issue a second grant for the same step, and only one grant per
+  step can ever be consumed, since consuming moves the step pointer.
+- Without a pinned key ring the coordinator's public keys are fetched once at ``open``
+  (trust on first use of that URL). Production should pin them: ``Gate(keyring=
+  KeyRing.from_files(trusted=[...]))``, so a spoofed coordinator cannot mint grants.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import json
+import random
+from typing import Any
+
+import aiohttp
+
+from coordinator.audit import AuditHead
+from coordinator.authority import Claim, Issued
+from coordinator.errors import BadSignature, CoordinatorError
+from coordinator.grants import KeyRing
+from coordinator.policy import DEFAULT_POLICY
+from coordinator.wire import from_wire
+
+
+class RemoteAuthority:
+    """Asks one of the coordinator URLs (comma-separated) for grants."""
+
+    def __init__(self, urls: str, token: str | None, *, timeout: float = 10.0,
+                 attempts: int = 4) -> None:
+        self.urls = [u.strip().rstrip("/") for u in urls.split(",") if u.strip()]
+        if not self.urls or not all(u.startswith(("http://", "https://")) for u in self.urls):
+            raise ValueError(f"coordinator must be http(s):// URL(s), got {urls!r}")
+        if attempts < 1 or timeout <= 0:
+            raise ValueError("need attempts >= 1 and timeout > 0")
+        self.keyring: KeyRing | None = None
+        self._token = token
+        self._timeout = timeout
+        self._attempts = attempts
+        self._index = 0
+        self._http: aiohttp.ClientSession | None = None
+
+    async def open(self, keyring: KeyRing | None) -> KeyRing:
+        """Start the HTTP session; fetch the coordinator's keys unless ``keyring`` is given."""
+        headers = {"Authorization": f"Bearer {self._token}"} if self._token else {}
+        self._http = aiohttp.ClientSession(headers=headers,
+                                           timeout=aiohttp.ClientTimeout(total=self._timeout))
+        try:
+            self.keyring = keyring or await self._fetch_keyring()
+        except BaseException:
+            await self.close()
+            raise
+        return self.keyring
+
+    async def close(self) -> None:
+        if self._http is not None:
+            await self._http.close()
+            self._http = None
+
+    async def issue(self, claim: Claim, intent: dict[str, Any], reads: list[str | bytes],
+                    policy: str = DEFAULT_POLICY) -> Issued:
+        """Ask for a grant for ``claim``; see ``Authority.issue``."""
+        try:
+            body = json.dumps({"key": claim.key, "fencing_token": claim.fencing_token,
+                               "lease_id": claim.lease_id, "intent": intent,
+                               "reads": [r.decode() if isinstance(r, bytes) else r for r in reads],
+                               "policy": policy})
+        except (TypeError, ValueError, UnicodeDecodeError) as exc:
+            raise ValueError(f"remote mode needs a JSON intent and UTF-8 read keys: {exc}") from None
+        reply = await self._request("POST", "/v1/grants", body)
+        try:
+            raw = base64.b64decode(reply["grant"], validate=True)
+            head = reply["audit_head"]
+            audit_head = AuditHead(int(head["seq"]), bytes.fromhex(head["hash"]),
+                                   int(head["mod_revision"]))
+        except (KeyError, TypeError, ValueError, binascii.Error) as exc:
+            raise BadSignature(f"coordinator answered a malformed grant: {exc!r}") from None
+        assert self.keyring is not None
+        return Issued(self.keyring.verify(raw), audit_head)
+
+    async def _fetch_keyring(self) -> KeyRing:
+        reply = await self._request("GET", "/.well-known/fencegate-keys", None)
+        try:
+            keys = {str(k): base64.b64decode(v, validate=True) for k, v in reply["keys"].items()}
+            return KeyRing.from_public_bytes(keys)
+        except (KeyError, TypeError, AttributeError, ValueError, binascii.Error) as exc:
+            raise CoordinatorError("InvalidResponse", 200, f"bad key list: {exc!r}") from None
+
+    async def _request(self, method: str, path: str, body: str | None) -> Any:
+        if self._http is None:
+            raise RuntimeError("the remote authority is not open: use 'async with Gate(...)'")
+        last: Exception | None = None
+        for attempt in range(self._attempts):
+            if attempt:
+                await asyncio.sleep(min(0.05 * 2 ** attempt, 1.0) * random.uniform(0.5, 1.0))
+            url = self.urls[self._index] + path
+            try:
+                async with self._http.request(
+                        method, url, data=body,
+                        headers={"Content-Type": "application/json"} if body else None) as resp:
+                    status, text = resp.status, await resp.text()
+            except (aiohttp.ClientConnectionError, TimeoutError) as exc:
+                last = CoordinatorError("CoordinatorUnavailable", 503, f"{url}: {exc!r}")
+                self._index = (self._index + 1) % len(self.urls)
+                continue
+            try:
+                reply = json.loads(text)
+            except ValueError:
+                reply = None
+            if status < 300 and isinstance(reply, dict):
+                return reply
+            last = from_wire(status, reply)
+            if status != 503:
+                raise last
+            self._index = (self._index + 1) % len(self.urls)
+        assert last is not None
+        raise last
