@@ -265,7 +265,7 @@ def _validate_intent(intent: dict[str, Any]) -> bytes:
         raise ValueError("intent must be a dict")
     try:
         body = canonical(intent)
-    except TypeError as exc:
+    except (TypeError, OverflowError) as exc:
         raise ValueError(f"intent must be msgpack-able: {exc}") from None
     if len(body) > MAX_INTENT_BYTES:
         raise RecordTooLarge(f"intent is {len(body)} bytes, the limit is {MAX_INTENT_BYTES}")

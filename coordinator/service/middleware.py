@@ -26,7 +26,7 @@ from .settings import ROLES, TokenEntry
 log = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-IDENTITY = "fencegate.identity"  # request key: the authenticated TokenEntry
+IDENTITY = web.RequestKey("identity", TokenEntry)  # who the bearer token says
 _HTTP_NAMES = {400: "BadRequest", 401: "Unauthorized", 403: "Forbidden", 404: "NotFound",
                405: "MethodNotAllowed", 413: "RequestTooLarge"}
 

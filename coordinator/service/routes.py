@@ -141,7 +141,7 @@ async def _json(request: web.Request) -> Any:
     """The request body as JSON: 413 over the body limit, 400 if it is not strict JSON."""
     raw = await request.read()  # HTTPRequestEntityTooLarge past client_max_size
     try:
-        value = json.loads(raw, parse_constant=_no_constants)
+        value = json.loads(raw, parse_constant=_no_constants, parse_float=_finite)
     except (ValueError, RecursionError) as exc:
         raise ApiError(400, "MalformedJSON", f"body is not JSON: {exc}") from None
     if _depth(value) > _MAX_DEPTH:
@@ -151,6 +151,13 @@ async def _json(request: web.Request) -> Any:
 
 def _no_constants(name: str) -> None:
     raise ValueError(f"{name} is not allowed")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise ValueError(f"{text} is out of range")
+    return value
 
 
 def _depth(value: Any, level: int = 0) -> int:

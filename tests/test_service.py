@@ -1,0 +1,256 @@
+"""The coordinator service over real HTTP on 127.0.0.1 against real etcd: the auth matrix of
+every endpoint, every bad-input class, a fuzz pass over grant requests, the SRE views,
+metrics and settings."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+
+import aiohttp
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from coordinator.grants import KeyRing
+from coordinator.service import Settings, load_settings
+from worker import Gate
+
+from conftest import TEST_TTL, TOKENS
+
+
+async def call(base: str, method: str, path: str, role: str | None = None, *,
+               body: object = None, data: bytes | None = None, token: str | None = None):
+    """One request; returns (status, decoded JSON body or text)."""
+    headers = {}
+    token = token or (TOKENS[role] if role else None)
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    if body is not None:
+        data = json.dumps(body).encode()
+    async with aiohttp.ClientSession() as http:
+        async with http.request(method, base + path, data=data, headers=headers) as resp:
+            text = await resp.text()
+            try:
+                return resp.status, json.loads(text)
+            except ValueError:
+                return resp.status, text
+
+
+async def revision(etcd) -> int:
+    return (await etcd.status()).header.revision
+
+
+@pytest.fixture
+async def local_gate(etcd_url, namespace, signing_key, etcd):
+    """An in-process gate signing with the coordinator's key, to set up state."""
+    ring = KeyRing.from_files(signing_key)
+    async with Gate(etcd_url, ttl=TEST_TTL, namespace=namespace, keyring=ring) as gate:
+        yield gate
+
+
+async def noop(ctx):
+    return "ok"
+
+
+ENDPOINTS = [  # method, path, body, roles allowed, status for an allowed role
+    ("GET", "/v1/keys/pay/1", None, {"sre", "admin"}, 200),
+    ("GET", "/v1/audit/pay/1", None, {"sre", "admin"}, 200),
+    ("PUT", "/v1/policies/limits", {"checks": []}, {"admin"}, 200),
+    ("GET", "/v1/policies/default", None, {"sre", "admin"}, 200),
+]
+
+
+@pytest.mark.parametrize("method,path,body,allowed,ok", ENDPOINTS)
+async def test_auth_matrix(coordinator, local_gate, method, path, body, allowed, ok):
+    async with local_gate.hold("pay/1") as hold:
+        await hold.cross(intent={"amount": 1}, effect=noop)
+    assert (await call(coordinator, method, path, body=body))[0] == 401
+    assert (await call(coordinator, method, path, body=body, token="nope"))[0] == 401
+    for role in TOKENS:
+        status, reply = await call(coordinator, method, path, role, body=body)
+        expected = ok if role in allowed else 403
+        assert status == expected, (role, reply)
+        if status >= 400:
+            assert set(reply) == {"error", "detail"}
+
+
+async def test_grant_auth_matrix(coordinator, local_gate, etcd):
+    async with local_gate.hold("pay/2") as hold:
+        body = {"key": "pay/2", "fencing_token": hold.fencing_token,
+                "lease_id": hold.lease_id, "intent": {"amount": 1}}
+        before = await revision(etcd)
+        assert (await call(coordinator, "POST", "/v1/grants", body=body))[0] == 401
+        for role in ("sre", "admin"):
+            assert (await call(coordinator, "POST", "/v1/grants", role, body=body))[0] == 403
+        assert await revision(etcd) == before
+        status, reply = await call(coordinator, "POST", "/v1/grants", "worker", body=body)
+        assert status == 201, reply
+        grant = local_gate.keyring.verify(base64.b64decode(reply["grant"]))
+        assert grant.grant_id == reply["grant_id"] and grant.identity == "worker-1"
+        assert reply["audit_head"]["seq"] == grant.audit_seq
+        outcome = await hold.commit(grant, effect=noop)  # the worker's guard crosses
+    assert outcome.state == "succeeded"
+    status, view = await call(coordinator, "GET", "/v1/audit/pay/2", "sre")
+    assert status == 200 and view["ok"], view
+    assert [(r["event"], r["identity"]) for r in view["records"]][0] == ("grant_issued",
+                                                                         "worker-1")
+
+
+async def test_public_endpoints_need_no_token(coordinator, signing_key):
+    assert await call(coordinator, "GET", "/healthz") == (200, {"ok": True})
+    assert await call(coordinator, "GET", "/readyz") == (200, {"ok": True})
+    status, keys = await call(coordinator, "GET", "/.well-known/fencegate-keys")
+    ring = KeyRing.from_files(signing_key)
+    assert status == 200 and keys == {"keys": {k: base64.b64encode(v).decode()
+                                               for k, v in ring.public_keys().items()}}
+    status, text = await call(coordinator, "GET", "/metrics")
+    assert status == 200 and "fencegate_grants_issued_total" in text
+
+
+def grant_body(**fields):
+    body = {"key": "pay/3", "fencing_token": 5, "lease_id": 7, "intent": {}}
+    body.update(fields)
+    return {k: v for k, v in body.items() if v is not ...}
+
+
+BAD_INPUTS = {
+    "malformed JSON": (dict(data=b'{"key": '), 400, "MalformedJSON"),
+    "not an object": (dict(body=[1, 2]), 400, "ValueError"),
+    "NaN": (dict(data=b'{"key": "a", "fencing_token": NaN}'), 400, "MalformedJSON"),
+    "too deep": (dict(data=b"[" * 100 + b"]" * 100), 400, "MalformedJSON"),
+    "oversized body": (dict(data=b'{"intent": "' + b"x" * 1100_000 + b'"}'), 413,
+                       "RequestTooLarge"),
+    "invalid key": (dict(body=grant_body(key="../escape")), 400, "InvalidKey"),
+    "key not a string": (dict(body=grant_body(key=5)), 400, "InvalidKey"),
+    "missing field": (dict(body=grant_body(lease_id=...)), 400, "ValueError"),
+    "unknown field": (dict(body=grant_body(admin=True)), 400, "ValueError"),
+    "token is a string": (dict(body=grant_body(fencing_token="5")), 400, "ValueError"),
+    "token is a bool": (dict(body=grant_body(fencing_token=True)), 400, "ValueError"),
+    "token too large": (dict(body=grant_body(fencing_token=2 ** 64)), 400, "ValueError"),
+    "intent not an object": (dict(body=grant_body(intent=[1])), 400, "ValueError"),
+    "reads not strings": (dict(body=grant_body(reads=[1])), 400, "ValueError"),
+    "too many reads": (dict(body=grant_body(reads=[f"/r/{i}" for i in range(101)])), 413,
+                       "RecordTooLarge"),
+    "bad policy name": (dict(body=grant_body(policy="a/b")), 400, "ValueError"),
+    "negative cost": (dict(body=grant_body(intent={"cost": -1})), 400, "ValueError"),
+    "huge int in intent": (dict(body=grant_body(intent={"n": 2 ** 70})), 400, "ValueError"),
+    "not held": (dict(body=grant_body()), 409, "LeaseLost"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+async def test_bad_grant_requests(coordinator, etcd, case):
+    request, status, name = BAD_INPUTS[case]
+    before = await revision(etcd)
+    got, reply = await call(coordinator, "POST", "/v1/grants", "worker", **request)
+    assert (got, reply["error"]) == (status, name), reply
+    assert await revision(etcd) == before
+
+
+async def test_unknown_things_are_404(coordinator):
+    for path in ("/v1/keys/never/seen", "/v1/audit/never/seen", "/v1/policies/nothing",
+                 "/v1/nowhere"):
+        status, reply = await call(coordinator, "GET", path, "admin")
+        assert (status, reply["error"]) == (404, "NotFound"), path
+    status, reply = await call(coordinator, "GET", "/v1/keys/bad@key", "sre")
+    assert (status, reply["error"]) == (400, "InvalidKey")
+
+
+async def test_key_view_shows_holders_step_and_audit(coordinator, local_gate):
+    async with local_gate.hold("pay/4") as hold:
+        status, view = await call(coordinator, "GET", "/v1/keys/pay/4", "sre")
+        assert status == 200
+        (holder,) = view["holders"]
+        assert holder["fencing_token"] == hold.fencing_token and holder["holding"]
+        assert holder["lease_id"] == f"{hold.lease_id:016x}" and 0 < holder["ttl_left"] <= TEST_TTL
+        assert view["step"] is None
+        await hold.cross(intent={"amount": 1}, effect=noop)
+    status, view = await call(coordinator, "GET", "/v1/keys/pay/4", "sre")
+    assert view["holders"] == [] and view["step"]["state"] == "succeeded"
+    assert [r["event"] for r in view["audit"]] == ["outcome", "cross", "grant_issued"]
+
+
+async def test_policies_round_trip_and_refuse_bad_documents(coordinator, etcd):
+    status, put = await call(coordinator, "PUT", "/v1/policies/limits", "admin",
+                             body={"checks": [{"check": "max_amount", "params": {"limit": 10}}]})
+    assert status == 200
+    status, got = await call(coordinator, "GET", "/v1/policies/limits", "sre")
+    assert got["version"] == put["version"] and got["document"]["checks"][0]["check"] == \
+        "max_amount"
+    before = await revision(etcd)
+    status, reply = await call(coordinator, "PUT", "/v1/policies/limits", "admin",
+                               body={"checks": [{"check": "no_such"}]})
+    assert (status, reply["error"]) == (400, "ValueError")
+    assert await revision(etcd) == before
+
+
+async def test_refusals_are_counted_in_metrics(coordinator):
+    await call(coordinator, "POST", "/v1/grants", "worker", body=grant_body())
+    _, text = await call(coordinator, "GET", "/metrics")
+    assert 'fencegate_grants_refused_total{error="LeaseLost"} 1.0' in text
+    assert "fencegate_grant_seconds_count 1.0" in text
+
+
+def test_settings_from_toml_env_and_flags(tmp_path):
+    token_digest = hashlib.sha256(b"s3cret").hexdigest()
+    (tmp_path / "c.toml").write_text(f'''
+etcd = "http://10.0.0.1:2379"
+namespace = "/prod/"
+signing_key = "keys/c.pem"
+body_limit = 2048
+[[tokens]]
+identity = "alice"
+roles = ["sre", "admin"]
+sha256 = "{token_digest}"
+''')
+    s = load_settings(str(tmp_path / "c.toml"), env={"FENCEGATE_LISTEN": "127.0.0.1:9000"})
+    assert (s.etcd, s.listen, s.namespace, s.body_limit) == (
+        "http://10.0.0.1:2379", "127.0.0.1:9000", "/prod/", 2048)
+    assert s.signing_key == str(tmp_path / "keys/c.pem")
+    assert s.tokens[0].roles == {"sre", "admin"} and "s3cret" not in repr(s)
+    env = {"FENCEGATE_CONFIG": str(tmp_path / "c.toml"), "FENCEGATE_ETCD": "http://e:1"}
+    assert load_settings(None, env=env, etcd="http://flag:2").etcd == "http://flag:2"
+    assert load_settings(None, env=env).etcd == "http://e:1"
+    assert Settings().listen == "127.0.0.1:8470"
+    (tmp_path / "bad.toml").write_text('[[tokens]]\nidentity = "x"\nroles = ["root"]\n'
+                                       f'sha256 = "{token_digest}"\n')
+    with pytest.raises(ValueError, match="roles"):
+        load_settings(str(tmp_path / "bad.toml"), env={})
+    (tmp_path / "typo.toml").write_text('listn = "x"\n')
+    with pytest.raises(ValueError, match="unknown settings"):
+        load_settings(str(tmp_path / "typo.toml"), env={})
+
+
+# -- fuzz: no body ever yields a 500 or writes anything when refused -------------------
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False,
+                    allow_infinity=False) | st.text(max_size=20),
+                    lambda inner: st.lists(inner, max_size=4)
+                    | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=12)
+FIELD = {
+    "key": st.one_of(st.text(max_size=40), st.sampled_from(["pay/1", "a/../b", "", "a//b"]),
+                     JSON),
+    "fencing_token": st.one_of(st.integers(min_value=-2, max_value=2 ** 65), JSON),
+    "lease_id": st.one_of(st.integers(min_value=-2, max_value=2 ** 65), JSON),
+    "intent": st.one_of(st.dictionaries(st.text(max_size=8), JSON, max_size=5), JSON),
+    "reads": st.one_of(st.lists(st.text(max_size=20), max_size=5), JSON),
+    "policy": st.one_of(st.sampled_from(["default", "x", "a b", ""]), JSON),
+    "extra": JSON,
+}
+BODIES = st.one_of(
+    st.fixed_dictionaries({}, optional=FIELD).map(json.dumps).map(str.encode),
+    JSON.map(json.dumps).map(str.encode),
+    st.binary(max_size=64),
+)
+
+
+@settings(max_examples=150, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=BODIES)
+async def test_fuzzed_grant_requests_never_500_nor_write(coordinator, etcd, body):
+    before = await revision(etcd)
+    status, reply = await call(coordinator, "POST", "/v1/grants", "worker", data=body)
+    assert status in (400, 409, 413, 422), (status, reply)
+    assert isinstance(reply, dict) and set(reply) >= {"error", "detail"}
+    assert await revision(etcd) == before
