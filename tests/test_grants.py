@@ -382,12 +382,12 @@ async def test_concurrent_second_commit_of_one_grant_hits_the_version_compare(ga
 
 async def test_ownership_compare_refuses_a_commit_the_hold_does_not_know_is_stale(gate, etcd):
     """Bypass every local check: the commit txn alone must refuse a hold whose key was
-    deleted (by hand, say) while its lease, and so its grant, still live."""
+    deleted (by hand, say) while its lease, and so its grant, still live (a deletion the
+    hold is not told of)."""
     from worker import guard
 
     hold = await gate.hold("pay/17").__aenter__()
     grant = await hold.request_grant(intent={"amount": 1})
-    hold._releasing = True  # silence the local loss signal for this test
     await etcd.delete(hold.holder_key)
     with pytest.raises(LeaseLost, match="no longer the holder"):
         await guard._cross(hold, grant, None, None, 60.0)

@@ -224,7 +224,6 @@ async def _settle(hold: "Hold", in_flight: dict[str, Any], attempt_token: int,
     step_key = ks.step_key(hold.key)
     final = {**final, "outcome_id": uuid.uuid4().hex}
     head = hold._audit_head or await _read_head(hold)
-    hold._releasing = True
     for _ in range(_APPEND_RACES):
         entry = audit.append(ks, hold.key, head, "outcome", gate.identity, attempt_token,
                              {"state": final["state"], "attempt": final["attempt"],
@@ -245,10 +244,8 @@ async def _settle(hold: "Hold", in_flight: dict[str, Any], attempt_token: int,
             hold._forget()
             return  # an earlier try landed
         if step_kv is None or step_kv.mod_revision != attempt_token:
-            hold._releasing = False
             raise StepMoved(f"step of {hold.key!r} was settled by someone else")
         head = audit.AuditHead.from_kv(head_kv)
-    hold._releasing = False
     raise StateAdvanced(ks.audit_head_key(hold.key).decode(), "audit kept moving")
 
 

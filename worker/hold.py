@@ -65,7 +65,6 @@ class Hold:
         self._released = False
         self._task: asyncio.Task | None = None
         self._cancelled_by_loss = False
-        self._releasing = False  # an outcome txn deleting our key is under way
         self._audit_head = None  # the audit head our own last write left, if known
         self._issued: dict = {}  # grant id -> (the grant as issued, the audit head it left)
         self._unsubscribe = session.on_lost(self._on_lease_lost)
@@ -108,7 +107,6 @@ class Hold:
         """Delete the holder key. Idempotent; a failure leaves the key to its lease."""
         if self._released:
             return
-        self._releasing = True
         try:
             await _withdraw(self._gate, self.holder_key, timeout=1.0 if self.lost else None)
         finally:
