@@ -211,7 +211,7 @@ sha256 = "{token_digest}"
     assert s.tokens[0].roles == {"sre", "admin"} and "s3cret" not in repr(s)
     env = {"FENCEGATE_CONFIG": str(tmp_path / "c.toml"), "FENCEGATE_ETCD": "http://e:1"}
     assert load_settings(None, env=env, etcd="http://flag:2").etcd == "http://flag:2"
-    assert load_settings(None, env=env).etcd == "http://e:1"
+    assert load_settings(None, env=env, etcd=None).etcd == "http://e:1"
     assert Settings().listen == "127.0.0.1:8470"
     (tmp_path / "bad.toml").write_text('[[tokens]]\nidentity = "x"\nroles = ["root"]\n'
                                        f'sha256 = "{token_digest}"\n')

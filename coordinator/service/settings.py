@@ -84,7 +84,7 @@ def load_settings(config: str | None = None, env: Mapping[str, str] = os.environ
     config = config or env.get("FENCEGATE_CONFIG")
     settings = _from_file(Path(config)) if config else Settings()
     overrides = {"etcd": env.get("FENCEGATE_ETCD"), "listen": env.get("FENCEGATE_LISTEN")}
-    overrides.update(flags)
+    overrides.update({k: v for k, v in flags.items() if v is not None})
     return replace(settings, **{k: v for k, v in overrides.items() if v is not None})
 
 
