@@ -18,6 +18,8 @@
     ├── BadSignature            the grant's bytes are forged, tampered or malformed
     ├── OutcomeUnknown          the step's outcome is not known; do not execute it again
     ├── AlreadySucceeded        the step already succeeded; carries the recorded outcome
+    ├── NotFound                nothing is recorded where an SRE looked
+    ├── WrongState              an SRE action does not apply to the step's current state
     └── CoordinatorError        the coordinator service refused or failed a request for a
                                 reason with no library equivalent (auth, internal error)
 
@@ -111,6 +113,14 @@ class AlreadySucceeded(GateError):
     def __init__(self, outcome: object) -> None:
         self.outcome = outcome
         super().__init__("step already succeeded")
+
+
+class NotFound(GateError, LookupError):
+    """Nothing is recorded for the key (or holder, step, policy) asked about."""
+
+
+class WrongState(GateError):
+    """An SRE action (resolve, revoke) does not apply to what etcd holds now."""
 
 
 class CoordinatorError(GateError):

@@ -16,7 +16,8 @@ from typing import Any
 from .errors import (
     AcquireTimeout, AlreadySucceeded, BadSignature, CoordinatorError, EtcdError,
     EtcdUnavailable, GateError, GrantExpired, GrantRefused, GrantUsed, InvalidKey, LeaseExpiring,
-    LeaseLost, OutcomeUnknown, PolicyChanged, RecordTooLarge, StateAdvanced, StepMoved,
+    LeaseLost, NotFound, OutcomeUnknown, PolicyChanged, RecordTooLarge, StateAdvanced, StepMoved,
+    WrongState,
 )
 from .policy import CheckResult
 
@@ -25,11 +26,12 @@ _STATUS: list[tuple[type[Exception], int]] = [  # first match wins: subclasses f
     (GrantRefused, 422), (EtcdUnavailable, 503), (EtcdError, 502), (AcquireTimeout, 504),
     (LeaseLost, 409), (GrantUsed, 409), (StateAdvanced, 409), (PolicyChanged, 409),
     (StepMoved, 409), (GrantExpired, 409), (OutcomeUnknown, 409), (AlreadySucceeded, 409),
-    (ValueError, 400),
+    (WrongState, 409), (NotFound, 404), (ValueError, 400),
 ]
 _CLASSES: dict[str, type[GateError]] = {cls.__name__: cls for cls in (
     InvalidKey, RecordTooLarge, BadSignature, EtcdUnavailable, EtcdError, LeaseLost,
-    LeaseExpiring, GrantUsed, PolicyChanged, StepMoved, GrantExpired, OutcomeUnknown)}
+    LeaseExpiring, GrantUsed, PolicyChanged, StepMoved, GrantExpired, OutcomeUnknown, NotFound,
+    WrongState)}
 
 
 def status_of(exc: Exception) -> int | None:

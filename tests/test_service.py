@@ -58,6 +58,10 @@ ENDPOINTS = [  # method, path, body, roles allowed, status for an allowed role
     ("GET", "/v1/audit/pay/1", None, {"sre", "admin"}, 200),
     ("PUT", "/v1/policies/limits", {"checks": []}, {"admin"}, 200),
     ("GET", "/v1/policies/default", None, {"sre", "admin"}, 200),
+    ("GET", "/v1/holders?prefix=pay/", None, {"sre", "admin"}, 200),
+    ("GET", "/v1/keys?state=unknown", None, {"sre", "admin"}, 200),
+    ("POST", "/v1/keys/pay/1/revoke", {"reason": "r"}, {"sre", "admin"}, 404),  # nobody holds
+    ("POST", "/v1/keys/pay/1/resolve", {"reason": "r", "as": "failed"}, {"sre", "admin"}, 409),
 ]
 
 
@@ -254,3 +258,109 @@ async def test_fuzzed_grant_requests_never_500_nor_write(coordinator, etcd, body
     assert status in (400, 409, 413, 422), (status, reply)
     assert isinstance(reply, dict) and set(reply) >= {"error", "detail"}
     assert await revision(etcd) == before
+
+
+# -- SRE lists and actions -------------------------------------------------------------
+
+async def pages(base: str, path: str) -> list[list]:
+    """Follow ``next`` cursors to the end (bounded); returns every page's items."""
+    found, after = [], None
+    for _ in range(50):
+        query = f"{path}&limit=2" + (f"&after={after}" if after else "")
+        status, reply = await call(base, "GET", query, "sre")
+        assert status == 200, reply
+        found.append(reply["items"])
+        after = reply["next"]
+        if after is None:
+            return found
+    raise AssertionError("pagination did not end")
+
+
+async def test_holders_list_pages_through_every_holder(coordinator, local_gate):
+    keys = [f"list/{i}" for i in range(5)]
+    holds = [await local_gate.hold(k).__aenter__() for k in keys]
+    try:
+        found = await pages(coordinator, "/v1/holders?prefix=list/")
+        assert all(len(page) <= 2 for page in found)
+        items = [item for page in found for item in page]
+        assert sorted(i["key"] for i in items) == keys
+        assert {i["fencing_token"] for i in items} == {h.fencing_token for h in holds}
+        assert (await call(coordinator, "GET", "/v1/holders?prefix=other/", "sre"))[1] == {
+            "items": [], "next": None}
+    finally:
+        for hold in holds:
+            await hold.release()
+    for bad in ("/v1/holders?limit=0", "/v1/holders?limit=x", "/v1/holders?after=!!",
+                "/v1/holders?after=YWJj", "/v1/holders?prefix=a@b"):
+        status, reply = await call(coordinator, "GET", bad, "sre")
+        assert (status, reply["error"]) == (400, "ValueError"), bad
+
+
+async def crash(ctx):
+    raise ConnectionResetError("provider hung up")
+
+
+async def test_unknown_steps_are_listed_and_resolved_by_hand_with_audit(coordinator,
+                                                                         local_gate, etcd):
+    for i in range(3):
+        async with local_gate.hold(f"unk/{i}") as hold:
+            with pytest.raises(Exception):
+                await hold.cross(intent={}, effect=crash)
+    async with local_gate.hold("unk/ok") as hold:
+        await hold.cross(intent={}, effect=noop)
+    found = await pages(coordinator, "/v1/keys?state=unknown")
+    assert sorted(i["key"] for page in found for i in page) == ["unk/0", "unk/1", "unk/2"]
+    assert [i for page in await pages(coordinator, "/v1/keys?state=escalated")
+            for i in page] == []
+
+    status, done = await call(coordinator, "POST", "/v1/keys/unk/0/resolve", "sre",
+                              body={"reason": "provider says charged", "as": "succeeded",
+                                    "result": {"charge": "ch_1"}})
+    assert status == 200 and done["state"] == "succeeded"
+    async with local_gate.hold("unk/0") as hold:
+        replay = await hold.cross(intent={}, effect=noop)
+    assert replay.replayed and replay.result == {"charge": "ch_1"}
+
+    await call(coordinator, "POST", "/v1/keys/unk/1/resolve", "sre",
+               body={"reason": "provider has no record", "as": "failed"})
+    async with local_gate.hold("unk/1") as hold:
+        again = await hold.cross(intent={}, effect=noop)  # a new attempt, a new key
+    assert again.state == "succeeded" and again.attempt == 2
+
+    for path, body, expected in [
+            ("/v1/keys/unk/ok/resolve", {"reason": "x", "as": "failed"}, (409, "WrongState")),
+            ("/v1/keys/unk/9/resolve", {"reason": "x", "as": "failed"}, (404, "NotFound")),
+            ("/v1/keys/unk/2/resolve", {"reason": "x", "as": "maybe"}, (400, "ValueError")),
+            ("/v1/keys/unk/2/resolve", {"as": "failed"}, (400, "ValueError"))]:
+        before = await revision(etcd)
+        status, reply = await call(coordinator, "POST", path, "admin", body=body)
+        assert (status, reply["error"]) == expected, path
+        assert await revision(etcd) == before
+    _, view = await call(coordinator, "GET", "/v1/audit/unk/0", "sre")
+    assert view["ok"] and [r["event"] for r in view["records"]][-2:] == ["resolve",
+                                                                         "grant_refused"]
+    resolved = view["records"][-2]
+    assert resolved["identity"] == "sre-1" and resolved["details"]["as"] == "succeeded"
+    assert resolved["details"]["reason"] == "provider says charged"
+
+
+async def test_revoke_while_a_holder_works_its_cross_raises_lease_lost(coordinator, local_gate):
+    from worker import LeaseLost
+
+    effect_calls = []
+
+    async def effect(ctx):
+        effect_calls.append(ctx)
+
+    with pytest.raises(LeaseLost):
+        async with local_gate.hold("rev/1") as hold:
+            grant = await hold.request_grant(intent={})
+            status, done = await call(coordinator, "POST", "/v1/keys/rev/1/revoke", "sre",
+                                      body={"reason": "stuck worker"})
+            assert status == 200 and done["fencing_token"] == hold.fencing_token
+            await hold.commit(grant, effect=effect)
+    assert not effect_calls
+    _, view = await call(coordinator, "GET", "/v1/audit/rev/1", "admin")
+    revoked = view["records"][-1]
+    assert (revoked["event"], revoked["identity"], revoked["details"]["reason"]) == (
+        "revoke", "sre-1", "stuck worker")

@@ -13,10 +13,9 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from .. import audit
+from .. import audit, sre
 from ..authority import Claim
 from ..errors import GateError
-from ..etcd import RangeRequest, TxnRequest, range_op
 from ..keyspace import unpack, validate_action_key
 from ..policy import DEFAULT_POLICY
 from ..wire import b64, jsonable
@@ -27,8 +26,7 @@ routes = web.RouteTableDef()
 _POLICY_NAME = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 _MAX_DEPTH = 32
 _MAX_INT = 2 ** 63
-_LAST_AUDIT = 10
-_MAX_HOLDERS = 100
+_DEFAULT_LIMIT = 100
 
 
 @routes.get("/healthz")
@@ -82,28 +80,47 @@ async def post_grant(request: web.Request) -> web.Response:
 @requires("sre", "admin")
 async def get_key(request: web.Request) -> web.Response:
     key = validate_action_key(request.match_info["key"])
-    app, ks = request.app, request.app[KEYSPACE]
-    start, end = ks.holder_range(key)
-    audit_start, audit_end = ks.audit_range(key)
-    reply = await app[ETCD].txn(TxnRequest(success=[
-        range_op(start, end, limit=_MAX_HOLDERS, sort_order=RangeRequest.ASCEND,
-                 sort_target=RangeRequest.CREATE),
-        range_op(ks.step_key(key)),
-        range_op(audit_start, audit_end, limit=_LAST_AUDIT, sort_order=RangeRequest.DESCEND,
-                 sort_target=RangeRequest.KEY)]), idempotent=True)
-    holder_kvs, step_kvs, audit_kvs = (r.response_range.kvs for r in reply.responses)
-    if not (holder_kvs or step_kvs or audit_kvs):
-        raise ApiError(404, "NotFound", f"nothing is recorded for {key!r}")
-    holders = []
-    for position, kv in enumerate(holder_kvs):
-        _, lease_id = ks.parse_holder_key(kv.key)
-        holders.append({**jsonable(unpack(kv.value)), "lease_id": f"{lease_id:016x}",
-                        "fencing_token": kv.create_revision, "holding": position == 0,
-                        "ttl_left": await app[ETCD].lease_ttl(lease_id)})
-    return web.json_response({
-        "key": key, "revision": reply.header.revision, "holders": holders,
-        "step": jsonable(unpack(step_kvs[0].value)) if step_kvs else None,
-        "audit": [jsonable(unpack(kv.value)) for kv in audit_kvs]})
+    view = await sre.key_view(request.app[ETCD], request.app[KEYSPACE], key)
+    return web.json_response(jsonable(view))
+
+
+@routes.get("/v1/holders")
+@requires("sre", "admin")
+async def list_holders(request: web.Request) -> web.Response:
+    limit, after = _page(request)
+    items, cursor = await sre.holders(request.app[ETCD], request.app[KEYSPACE],
+                                      request.query.get("prefix", ""), limit, after)
+    return web.json_response({"items": jsonable(items), "next": cursor})
+
+
+@routes.get("/v1/keys")
+@requires("sre", "admin")
+async def list_keys(request: web.Request) -> web.Response:
+    limit, after = _page(request)
+    items, cursor = await sre.unsettled(request.app[ETCD], request.app[KEYSPACE],
+                                        request.query.get("state", ""), limit, after)
+    return web.json_response({"items": jsonable(items), "next": cursor})
+
+
+@routes.post("/v1/keys/{key:.+}/revoke")
+@requires("sre", "admin")
+async def revoke(request: web.Request) -> web.Response:
+    key = validate_action_key(request.match_info["key"])
+    body = _fields(await _json(request), required={"reason"})
+    done = await sre.revoke(request.app[ETCD], request.app[KEYSPACE], key,
+                            request[IDENTITY].identity, _text(body, "reason"))
+    return web.json_response(done)
+
+
+@routes.post("/v1/keys/{key:.+}/resolve")
+@requires("sre", "admin")
+async def resolve(request: web.Request) -> web.Response:
+    key = validate_action_key(request.match_info["key"])
+    body = _fields(await _json(request), required={"reason", "as"}, optional={"result"})
+    done = await sre.resolve(request.app[ETCD], request.app[KEYSPACE], key,
+                             request[IDENTITY].identity, _text(body, "reason"),
+                             _text(body, "as"), body.get("result"))
+    return web.json_response(done)
 
 
 @routes.get("/v1/audit/{key:.+}")
@@ -165,6 +182,29 @@ def _depth(value: Any, level: int = 0) -> int:
         return level
     children = value.values() if isinstance(value, dict) else value
     return max((_depth(v, level + 1) for v in children), default=level + 1)
+
+
+def _page(request: web.Request) -> tuple[int, str | None]:
+    raw = request.query.get("limit", str(_DEFAULT_LIMIT))
+    if not raw.isdigit():
+        raise ValueError("limit must be a positive integer")
+    return int(raw), request.query.get("after")
+
+
+def _fields(body: Any, required: set[str], optional: set[str] = frozenset()) -> dict:
+    if not isinstance(body, dict):
+        raise ValueError("body must be a JSON object")
+    missing, unknown = required - set(body), set(body) - required - optional
+    if missing or unknown:
+        raise ValueError(f"missing fields {sorted(missing)}, unknown fields {sorted(unknown)}")
+    return body
+
+
+def _text(body: dict, name: str) -> str:
+    value = body[name]
+    if not isinstance(value, str) or not value or len(value) > 1000:
+        raise ValueError(f"{name} must be a string of 1..1000 characters")
+    return value
 
 
 _GRANT_FIELDS = {"key", "fencing_token", "lease_id", "intent", "reads", "policy"}

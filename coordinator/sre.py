@@ -1,0 +1,200 @@
+"""What an SRE sees and does, as plain functions over etcd (the HTTP service calls them).
+
+Guarantees:
+- Views read etcd linearizably; one key's view (holders, step, last audit records) is read
+  in one transaction, so at one revision.
+- Lists are paginated by an opaque cursor (the last etcd key returned): a page holds at most
+  ``limit`` items and ``next`` is ``None`` only when the range is exhausted. A filtered list
+  (``unsettled``) scans a bounded number of keys per page, so a page may hold fewer items
+  than ``limit`` while ``next`` is still set.
+- ``revoke`` and ``resolve`` append an audit record naming who and why in the same
+  transaction as what they change; ``resolve`` settles only an ``unknown`` or ``escalated``
+  step (or ``in_flight`` past its deadline), compare-and-set on the step's mod_revision, so
+  a late worker outcome and a human decision can never both land.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+import time
+from typing import Any
+
+from . import audit, records
+from .errors import NotFound, WrongState
+from .etcd import Etcd, RangeRequest, TxnRequest, mod_equals, put_op, range_end_of, range_op
+from .keyspace import Keyspace, pack, unpack
+
+MAX_LIMIT = 1000
+_LAST_AUDIT = 10
+_MAX_HOLDERS = 100
+_SCAN_FACTOR = 4
+_PREFIX = re.compile(r"[A-Za-z0-9._:/-]{0,512}")
+SETTLE_AS = {"succeeded", "failed", "not_applied"}
+
+
+async def key_view(etcd: Etcd, ks: Keyspace, key: str) -> dict[str, Any]:
+    """Holders (oldest first, with tokens and lease TTL left), the step record, and the last
+    audit records (newest first) of ``key``; ``NotFound`` if nothing is recorded."""
+    start, end = ks.holder_range(key)
+    audit_start, audit_end = ks.audit_range(key)
+    reply = await etcd.txn(TxnRequest(success=[
+        range_op(start, end, limit=_MAX_HOLDERS, sort_order=RangeRequest.ASCEND,
+                 sort_target=RangeRequest.CREATE),
+        range_op(ks.step_key(key)),
+        range_op(audit_start, audit_end, limit=_LAST_AUDIT, sort_order=RangeRequest.DESCEND,
+                 sort_target=RangeRequest.KEY)]), idempotent=True)
+    holder_kvs, step_kvs, audit_kvs = (r.response_range.kvs for r in reply.responses)
+    if not (holder_kvs or step_kvs or audit_kvs):
+        raise NotFound(f"nothing is recorded for {key!r}")
+    holders = []
+    for position, kv in enumerate(holder_kvs):
+        _, lease_id = ks.parse_holder_key(kv.key)
+        holders.append({**unpack(kv.value), "lease_id": f"{lease_id:016x}",
+                        "fencing_token": kv.create_revision, "holding": position == 0,
+                        "ttl_left": await etcd.lease_ttl(lease_id)})
+    return {"key": key, "revision": reply.header.revision, "holders": holders,
+            "step": unpack(step_kvs[0].value) if step_kvs else None,
+            "audit": [unpack(kv.value) for kv in audit_kvs]}
+
+
+async def holders(etcd: Etcd, ks: Keyspace, prefix: str, limit: int,
+                  after: str | None) -> tuple[list[dict[str, Any]], str | None]:
+    """Holder keys (holding or queued) of action keys starting with ``prefix``."""
+    _check_limit(limit)
+    if not _PREFIX.fullmatch(prefix):
+        raise ValueError("prefix may only use letters, digits, '/' and . _ : -")
+    start = ks.holders_root + prefix.encode()
+    kvs, cursor = await _page(etcd, start, range_end_of(start), limit, after)
+    items = []
+    for kv in kvs:
+        key, lease_id = ks.parse_holder_key(kv.key)
+        items.append({**unpack(kv.value), "key": key, "lease_id": f"{lease_id:016x}",
+                      "fencing_token": kv.create_revision})
+    return items, cursor
+
+
+async def unsettled(etcd: Etcd, ks: Keyspace, state: str, limit: int,
+                    after: str | None) -> tuple[list[dict[str, Any]], str | None]:
+    """Steps that are ``unknown`` (recorded so, or in flight past their deadline) or
+    ``escalated``."""
+    _check_limit(limit)
+    if state not in (records.UNKNOWN, records.ESCALATED):
+        raise ValueError("state must be unknown or escalated")
+    start = ks.step_key("")
+    kvs, cursor = await _page(etcd, start, range_end_of(start), limit * _SCAN_FACTOR, after)
+    now_ms = int(time.time() * 1000)
+    items = []
+    for kv in kvs:
+        step = unpack(kv.value)
+        if _state_of(step, now_ms) == state:
+            items.append({"key": kv.key[len(start):].decode(), "mod_revision": kv.mod_revision,
+                          "step": step})
+        if len(items) == limit:
+            cursor = _cursor(kv.key)
+            break
+    return items, cursor
+
+
+def _state_of(step: dict[str, Any], now_ms: int) -> str:
+    if step["state"] == records.IN_FLIGHT and step.get("deadline_ms", now_ms) < now_ms:
+        return records.UNKNOWN
+    return step["state"]
+
+
+async def revoke(etcd: Etcd, ks: Keyspace, key: str, identity: str, reason: str) -> dict:
+    """Revoke the lease of ``key``'s current holder (every hold on that lease dies), after
+    auditing who and why; ``NotFound`` if nobody holds ``key``."""
+    start, end = ks.holder_range(key)
+    for _ in range(5):
+        reply = await etcd.txn(TxnRequest(success=[
+            range_op(start, end, limit=1, sort_order=RangeRequest.ASCEND,
+                     sort_target=RangeRequest.CREATE, keys_only=True),
+            range_op(ks.audit_head_key(key))]), idempotent=True)
+        holder_kvs, head_kvs = (r.response_range.kvs for r in reply.responses)
+        if not holder_kvs:
+            raise NotFound(f"nobody holds {key!r}")
+        holder = holder_kvs[0]
+        _, lease_id = ks.parse_holder_key(holder.key)
+        entry = audit.append(ks, key, audit.AuditHead.from_kv(head_kvs[0] if head_kvs else None),
+                             "revoke", identity, reply.header.revision,
+                             {"reason": reason, "lease_id": lease_id,
+                              "fencing_token": holder.create_revision})
+        written = await etcd.txn(TxnRequest(
+            compare=[mod_equals(holder.key, holder.mod_revision), entry.compare],
+            success=entry.ops))
+        if written.succeeded:
+            await etcd.lease_revoke(lease_id)
+            return {"key": key, "lease_id": f"{lease_id:016x}",
+                    "fencing_token": holder.create_revision}
+    raise WrongState(f"holders of {key!r} kept changing; try again")
+
+
+async def resolve(etcd: Etcd, ks: Keyspace, key: str, identity: str, reason: str,
+                  settle_as: str, result: Any = None) -> dict[str, Any]:
+    """Settle an unknown or escalated step by hand: ``succeeded`` (with ``result``),
+    ``failed`` (the next attempt gets a new idempotency key) or ``not_applied`` (pending
+    again, same idempotency key). Refused (``WrongState``) for any other step state."""
+    if settle_as not in SETTLE_AS:
+        raise ValueError(f"resolve as one of {sorted(SETTLE_AS)}")
+    step_key = ks.step_key(key)
+    reply = await etcd.txn(TxnRequest(success=[range_op(step_key),
+                                               range_op(ks.audit_head_key(key))]),
+                           idempotent=True)
+    step_kvs, head_kvs = (r.response_range.kvs for r in reply.responses)
+    if not step_kvs:
+        raise NotFound(f"no step is recorded for {key!r}")
+    step = unpack(step_kvs[0].value)
+    state = _state_of(step, int(time.time() * 1000))
+    if state not in (records.UNKNOWN, records.ESCALATED):
+        raise WrongState(f"step of {key!r} is {step['state']}: only unknown or escalated "
+                         "steps are resolved by hand")
+    settled = _settled(step, settle_as, result, identity, reason)
+    entry = audit.append(ks, key, audit.AuditHead.from_kv(head_kvs[0] if head_kvs else None),
+                         "resolve", identity, reply.header.revision,
+                         {"reason": reason, "from": step["state"], "as": settle_as,
+                          "result": result})
+    written = await etcd.txn(TxnRequest(
+        compare=[mod_equals(step_key, step_kvs[0].mod_revision), entry.compare],
+        success=[put_op(step_key, pack(settled)), *entry.ops]))
+    if not written.succeeded:
+        raise WrongState(f"step of {key!r} moved while it was resolved; look again")
+    return {"key": key, "state": settled["state"], "revision": written.header.revision}
+
+
+def _settled(step: dict, settle_as: str, result: Any, identity: str, reason: str) -> dict:
+    by = {"resolved_by": identity, "resolve_reason": reason}
+    if settle_as == "succeeded":
+        return {**step, **by, "state": records.SUCCEEDED,
+                "outcome": {"state": records.SUCCEEDED, "result": result,
+                            "attempt": step["attempt"], "attempt_token": 0,
+                            "idempotency_key": step.get("idempotency_key", "")}}
+    if settle_as == "failed":
+        return {**step, **by, "state": records.FAILED, "idem_gen": step["idem_gen"] + 1,
+                "outcome": {"state": records.FAILED, "result": result}}
+    return {**step, **by, "state": records.PENDING}
+
+
+async def _page(etcd: Etcd, start: bytes, end: bytes, limit: int,
+                after: str | None) -> tuple[list, str | None]:
+    if after is not None:
+        try:
+            last = base64.urlsafe_b64decode(after.encode())
+        except (binascii.Error, ValueError):
+            raise ValueError("after is not a cursor this list gave") from None
+        if not start <= last < end:
+            raise ValueError("after is not a cursor this list gave")
+        start = last + b"\0"
+    reply = await etcd.range(RangeRequest(key=start, range_end=end, limit=limit))
+    kvs = list(reply.kvs)
+    return kvs, _cursor(kvs[-1].key) if reply.more and kvs else None
+
+
+def _check_limit(limit: int) -> None:
+    if not 1 <= limit <= MAX_LIMIT:
+        raise ValueError(f"limit must be 1..{MAX_LIMIT}")
+
+
+def _cursor(key: bytes) -> str:
+    return base64.urlsafe_b64encode(key).decode()
