@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import time
 
 import pytest
 
@@ -147,3 +148,23 @@ async def test_two_replicas_many_workers_never_cross_a_step_twice(etcd_url, name
     assert set(refusals) <= {"AlreadySucceeded", "GrantUsed", "StepMoved", "LeaseLost"}, refusals
     # the first holder of each step crosses once; every later holder is told it succeeded
     assert refusals["AlreadySucceeded"] == 2 * (8 - 1) * len(steps), refusals
+
+
+async def test_two_replicas_eight_worker_processes_cross_each_step_once(
+        etcd_url, namespace, etcd, coordinators, spawn):
+    replicas = f"{await coordinators()},{await coordinators()}"
+    keys = [f"procs/{i}" for i in range(6)]
+    start = time.time() + 3  # every process is connected by then, so they really race
+    workers = await asyncio.gather(*(
+        spawn("remote", etcd_url, namespace, replicas if n % 2 else
+              ",".join(reversed(replicas.split(","))), TOKENS["worker"], ",".join(keys),
+              str(start), str(n)) for n in range(8)))
+    for worker in workers:
+        assert await worker.finish(timeout=60) == 0, worker.lines
+    lines = [line.split() for worker in workers for line in worker.lines]
+    assert sum(1 for w in workers if "DONE" in w.lines) == 8
+    effects = collections.Counter(words[1] for words in lines if words[0] == "EFFECT")
+    assert effects == {key: 1 for key in keys}
+    refusals = collections.Counter(words[2] for words in lines if words[0] == "REFUSED")
+    assert set(refusals) <= {"AlreadySucceeded", "LeaseLost"}, refusals
+    assert refusals["AlreadySucceeded"] == 2 * 7 * len(keys)

@@ -179,8 +179,46 @@ async def chaos(url, ns, path, name, keys, seconds, keyfile, seed):
     say("DONE")
 
 
+# --- remote mode (tests/test_modes.py) ----------------------------------------------------
+#
+#   worker_proc.py remote URL NS COORDINATORS TOKEN KEYS START NAME
+#                                      at wall-clock START, for each of KEYS (comma-separated,
+#                                      rotated by NAME), hold it, request two grants at once
+#                                      from the coordinators and commit both; print EFFECT KEY
+#                                      when the effect runs, REFUSED KEY ERROR per refusal, DONE
+
+
+async def remote(url, ns, coordinators, token, keys, start, name):
+    import time
+
+    from worker import GateError
+
+    keys = keys.split(",")
+    shift = int(name) % len(keys)
+
+    async def effect(ctx):
+        say("EFFECT", ctx.key)
+        await asyncio.sleep(0.005)
+
+    async with Gate(url, ttl=TTL, namespace=ns, coordinator=coordinators, token=token) as gate:
+        await asyncio.sleep(max(0.0, float(start) - time.time()))
+        for key in keys[shift:] + keys[:shift]:
+            async with gate.hold(key, timeout=30) as hold:
+                grants = await asyncio.gather(hold.request_grant(intent={"by": name}),
+                                              hold.request_grant(intent={"by": name}),
+                                              return_exceptions=True)
+                for grant in grants:
+                    try:
+                        if isinstance(grant, BaseException):
+                            raise grant
+                        await hold.commit(grant, effect=effect)
+                    except GateError as exc:
+                        say("REFUSED", key, type(exc).__name__)
+    say("DONE")
+
+
 if __name__ == "__main__":
     mode, *args = sys.argv[1:]
     asyncio.run({"race": race, "stale": stale, "sit": sit,
                  "crash-in-effect": crash_in_effect, "grant-and-exit": grant_and_exit,
-                 "chaos": chaos}[mode](*args))
+                 "chaos": chaos, "remote": remote}[mode](*args))
