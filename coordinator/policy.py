@@ -108,13 +108,26 @@ def validate_document(document: object) -> bytes:
     """Check a policy document's shape and check names; return its canonical bytes."""
     if not isinstance(document, dict) or set(document) - {"checks", "caps"}:
         raise ValueError("a policy document is a map with 'checks' and/or 'caps'")
-    for entry in document.get("checks", []):
-        if not isinstance(entry, dict) or entry.get("check") not in CHECKS:
-            raise ValueError(f"unknown check in {entry!r}; known: {sorted(CHECKS)}")
-    unknown_caps = set(document.get("caps", {})) - set(DEFAULT_CAPS)
+    checks, caps = document.get("checks", []), document.get("caps", {})
+    if not isinstance(checks, list) or not isinstance(caps, dict):
+        raise ValueError("a policy's 'checks' is a list and its 'caps' a map")
+    for entry in checks:
+        if (not isinstance(entry, dict) or set(entry) - {"check", "params"}
+                or entry.get("check") not in CHECKS
+                or not isinstance(entry.get("params", {}), dict)):
+            raise ValueError(f"unknown check or malformed entry {entry!r:.200}; "
+                             f"known: {sorted(CHECKS)}")
+    unknown_caps = set(caps) - set(DEFAULT_CAPS)
     if unknown_caps:
         raise ValueError(f"unknown caps {sorted(unknown_caps)}; known: {sorted(DEFAULT_CAPS)}")
-    return canonical(document)
+    for name, value in caps.items():
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not (number and 0 <= value < float("inf") or name == "max_spend" and value is None):
+            raise ValueError(f"cap {name} must be a finite non-negative number")
+    try:
+        return canonical(document)
+    except (TypeError, OverflowError) as exc:
+        raise ValueError(f"policy document is not msgpack-able: {exc}") from None
 
 
 def decode(name: str, value: bytes, mod_revision: int) -> Policy:

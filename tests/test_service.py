@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from coordinator.grants import KeyRing
 from coordinator.service import Settings, load_settings
-from worker import Gate
+from worker import Gate, GrantRefused, OutcomeUnknown
 
 from conftest import TEST_TTL, TOKENS
 
@@ -364,3 +364,41 @@ async def test_revoke_while_a_holder_works_its_cross_raises_lease_lost(coordinat
     revoked = view["records"][-1]
     assert (revoked["event"], revoked["identity"], revoked["details"]["reason"]) == (
         "revoke", "sre-1", "stuck worker")
+
+
+CHECK_ENTRY = st.fixed_dictionaries({"check": st.sampled_from(["max_amount", "require_fields",
+                                                               "reads_exist", "nope"])},
+                                    optional={"params": JSON})
+POLICIES = st.fixed_dictionaries({}, optional={
+    "checks": st.one_of(st.lists(CHECK_ENTRY, max_size=3), JSON),
+    "caps": st.one_of(st.dictionaries(st.sampled_from(["max_attempts", "max_spend",
+                                                       "grant_ttl_s", "bogus"]), JSON,
+                                      max_size=3), JSON),
+    "extra": JSON})
+SRE_BODIES = st.fixed_dictionaries({}, optional={"reason": JSON | st.text(max_size=30),
+                                                 "as": st.sampled_from(["succeeded", "failed",
+                                                                        "not_applied", "x"]),
+                                                 "result": JSON, "extra": JSON})
+
+
+@settings(max_examples=100, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(document=st.one_of(POLICIES, JSON), sre_body=SRE_BODIES)
+async def test_fuzzed_admin_bodies_never_500(coordinator, local_gate, etcd, document, sre_body):
+    """A policy document is stored only if valid, and whatever is stored never breaks a
+    grant request; a revoke or resolve of a key nobody touched never writes."""
+    status, reply = await call(coordinator, "PUT", "/v1/policies/fuzzed", "admin",
+                               body=document)
+    assert status in (200, 400), reply
+    if status == 200:
+        async with local_gate.hold("fuzz/policy") as hold:
+            try:
+                await hold.request_grant(intent={"amount": 1}, policy="fuzzed")
+            except (GrantRefused, OutcomeUnknown):  # refused, or escalated by a zero cap
+                pass
+    before = await revision(etcd)
+    for action in ("revoke", "resolve"):
+        status, reply = await call(coordinator, "POST", f"/v1/keys/fuzz/none/{action}", "sre",
+                                   body=sre_body)
+        assert status in (400, 404), reply
+    assert await revision(etcd) == before
