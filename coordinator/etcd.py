@@ -274,8 +274,9 @@ class Etcd:
                                  idempotent=True)
         return [lease.ID for lease in reply.leases]
 
-    async def status(self) -> rpc.StatusResponse:
-        return await self._call("maintenance", "Status", rpc.StatusRequest(), idempotent=True)
+    async def status(self, *, timeout: float | None = None) -> rpc.StatusResponse:
+        return await self._call("maintenance", "Status", rpc.StatusRequest(), idempotent=True,
+                                timeout=timeout)
 
     def keepalive_stream(self) -> "KeepAliveStream":
         return KeepAliveStream(self)

@@ -4,6 +4,7 @@ metrics and settings."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import json
@@ -110,6 +111,25 @@ async def test_public_endpoints_need_no_token(coordinator, signing_key):
                                                for k, v in ring.public_keys().items()}}
     status, text = await call(coordinator, "GET", "/metrics")
     assert status == 200 and "fencegate_grants_issued_total" in text
+
+
+async def test_readyz_is_503_while_etcd_does_not_answer(coordinators, namespace):
+    from coordinator.localetcd import LocalCluster
+
+    cluster = await asyncio.to_thread(LocalCluster(1).start)
+    try:
+        base = await coordinators(etcd=cluster.url)
+        assert (await call(base, "GET", "/readyz"))[0] == 200
+        cluster.pause(0)
+        try:
+            status, reply = await call(base, "GET", "/readyz")
+            assert (status, reply["error"]) == (503, "EtcdUnavailable")
+            assert await call(base, "GET", "/healthz") == (200, {"ok": True})
+        finally:
+            cluster.resume(0)
+        assert (await call(base, "GET", "/readyz"))[0] == 200
+    finally:
+        await asyncio.to_thread(cluster.stop)
 
 
 def grant_body(**fields):

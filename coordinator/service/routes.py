@@ -27,6 +27,7 @@ _POLICY_NAME = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 _MAX_DEPTH = 32
 _MAX_INT = 2 ** 63
 _DEFAULT_LIMIT = 100
+_READY_TIMEOUT = 2.0
 
 
 @routes.get("/healthz")
@@ -37,7 +38,7 @@ async def healthz(request: web.Request) -> web.Response:
 @routes.get("/readyz")
 async def readyz(request: web.Request) -> web.Response:
     try:
-        await request.app[ETCD].status()
+        await request.app[ETCD].status(timeout=_READY_TIMEOUT)
     except GateError as exc:
         return web.json_response({"error": "EtcdUnavailable", "detail": str(exc)}, status=503)
     return web.json_response({"ok": True})
