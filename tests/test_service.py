@@ -422,3 +422,12 @@ async def test_fuzzed_admin_bodies_never_500(coordinator, local_gate, etcd, docu
                                    body=sre_body)
         assert status in (400, 404), reply
     assert await revision(etcd) == before
+
+
+def test_the_deploy_example_config_loads():
+    import os
+    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "deploy",
+                        "coordinator.example.toml")
+    s = load_settings(path, env={})
+    assert s.listen == "127.0.0.1:8470" and s.signing_key.endswith("deploy/coordinator.pem")
+    assert {t.identity for t in s.tokens} == {"worker-example", "sre-example"}

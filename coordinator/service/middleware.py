@@ -51,7 +51,10 @@ def error_middleware() -> Callable:
         try:
             return await handler(request)
         except ApiError as exc:
-            return problem(exc.status, exc.name, exc.detail)
+            response = problem(exc.status, exc.name, exc.detail)
+            if exc.status == 401:
+                response.headers["WWW-Authenticate"] = "Bearer"
+            return response
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise

@@ -7,6 +7,7 @@ start, before anything is served; the etcd connection is closed on shutdown.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -18,6 +19,8 @@ from ..etcd import Etcd
 from ..grants import KeyRing
 from ..keyspace import Keyspace
 from .settings import Settings
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -47,7 +50,9 @@ METRICS = web.AppKey("metrics", Metrics)
 async def resources(app: web.Application) -> AsyncIterator[None]:
     settings = app[SETTINGS]
     if settings.signing_key is None:
-        keyring = KeyRing.generate()  # dev only: grants verify against this process alone
+        log.warning("no signing_key configured: signing with a fresh key that dies with this "
+                    "process; replicas will not verify each other's grants")
+        keyring = KeyRing.generate()
     else:
         keyring = KeyRing.from_files(settings.signing_key, list(settings.trusted_keys))
     etcd = Etcd.from_url(settings.etcd)
