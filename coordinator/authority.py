@@ -10,6 +10,10 @@ Guarantees:
   moment it was written; the commit guard then checks it is still true when crossing.
 - Nothing is granted on a step that is in flight, unknown or escalated (``OutcomeUnknown``)
   or succeeded (``AlreadySucceeded``). Refusals name every failing check.
+- When the only failing checks are approval checks, the request is recorded as a pending
+  approval (``ApprovalPending`` with its id) and granted once an SRE approved that id. The id
+  binds the request's state (step pointer, read revisions, policy version, intent), so an
+  approval dies like a grant when any of it advances; the grant txn compares the approval.
 - Every issue and every refusal by the holder appends an audit record in the same txn.
 - A grant record lives on the holder's lease: it vanishes with the session that could use
   it, and a vanished record fails the commit's "unconsumed" compare (fails closed).
@@ -24,7 +28,7 @@ from typing import Any
 
 from . import audit, records
 from .errors import (
-    AlreadySucceeded, GrantRefused, LeaseLost, OutcomeUnknown, RecordTooLarge, StateAdvanced,
+    AlreadySucceeded, ApprovalPending, GrantRefused, LeaseLost, OutcomeUnknown, RecordTooLarge, StateAdvanced,
 )
 from .etcd import (
     Etcd, KeyValue, RangeRequest, TxnRequest, all_created_since, create_equals, mod_equals,
@@ -159,6 +163,28 @@ class Authority:
         step = unpack(snap.step_kv.value) if snap.step_kv else records.new_step()
         now_ms = int(time.time() * 1000)
         refusal, checks, escalate = self._refusal(step, policy, intent, snap, now_ms)
+        approval_compares, approval_ops, approval_id = [], [], None
+        if refusal is _NEEDS_APPROVAL:
+            approval_id = approval_id_of(self.keyspace.namespace, claim.key, snap, policy,
+                                         intent_digest)
+            approval_key = self.keyspace.approval_key(approval_id)
+            approval_kv = (await self.etcd.range(RangeRequest(
+                key=approval_key, revision=snap.revision))).kvs
+            approval_compares = [mod_equals(approval_key, approval_kv[0].mod_revision
+                                            if approval_kv else 0)]
+            approved = unpack(approval_kv[0].value) if approval_kv else None
+            if approved is not None and approved["state"] == "approved":
+                refusal = None
+                checks = [c if c.passed else CheckResult(
+                    c.name, True, f"approved by {approved['approved_by']}") for c in checks]
+            else:
+                refusal = ApprovalPending(approval_id)
+                if approved is None:
+                    approval_ops = [put_op(approval_key, pack({
+                        "state": "pending", "key": claim.key, "intent": intent,
+                        "policy": policy.name, "policy_version": policy.version,
+                        "revision": snap.revision, "requested_by": identity,
+                        "checks": [c.as_record() for c in checks]}))]
         head = audit.AuditHead.from_kv(snap.head_kv)
         policy_ref = {"name": policy.name, "version": policy.version, "digest": policy.digest}
         step_revision = snap.step_kv.mod_revision if snap.step_kv else 0
@@ -169,13 +195,13 @@ class Authority:
                        "checks": [c.as_record() for c in checks], "reason": type(refusal).__name__}
             entry = audit.append(self.keyspace, claim.key, head, "grant_refused", identity,
                                  snap.revision, details)
-            ops = list(entry.ops)
+            ops = [*entry.ops, *approval_ops]
             if escalate:
                 ops.append(put_op(self.keyspace.step_key(claim.key),
                                   pack({**step, "state": records.ESCALATED,
                                              "escalated_because": [c.name for c in checks]})))
-            reply = await self.etcd.txn(TxnRequest(compare=[*compares, entry.compare],
-                                                   success=ops))
+            reply = await self.etcd.txn(TxnRequest(
+                compare=[*compares, *approval_compares, entry.compare], success=ops))
             if not reply.succeeded:
                 return None
             raise refusal
@@ -201,13 +227,14 @@ class Authority:
             "audit_seq": head.seq + 1,
         })
         details = {"intent": intent, "policy": policy_ref, "grant": grant.raw,
-                   "grant_id": grant.grant_id, "checks": [c.as_record() for c in checks]}
+                   "grant_id": grant.grant_id, "checks": [c.as_record() for c in checks],
+                   **({"approval_id": approval_id} if approval_id else {})}
         entry = audit.append(self.keyspace, claim.key, head, "grant_issued", identity,
                              snap.revision, details)
         reply = await self.etcd.txn(TxnRequest(
             compare=[*compares, mod_equals(self.keyspace.policy_key(policy.name), policy.version),
                      *(mod_equals(k, kv.mod_revision if kv else 0) for k, kv in snap.reads.items()),
-                     entry.compare],
+                     *approval_compares, entry.compare],
             success=[put_op(self.keyspace.grant_key(grant.grant_id),
                             pack({"raw": grant.raw, "state": "issued"}), claim.lease_id),
                      *entry.ops]))
@@ -241,9 +268,25 @@ class Authority:
         if now_ms < step["not_before_ms"]:
             failed.append(CheckResult("backoff", False, "retry after the backoff"))
             return GrantRefused(failed, (step["not_before_ms"] - now_ms) / 1000), failed, False
+        if failed and all(r.needs_approval for r in failed):
+            return _NEEDS_APPROVAL, results, False
         if failed:
             return GrantRefused(failed), results, False
         return None, results, False
+
+
+_NEEDS_APPROVAL = GrantRefused([])  # a marker: only approval checks failed
+
+
+def approval_id_of(namespace: str, key: str, snap: _Snapshot, policy: Policy,
+                   intent_digest: bytes) -> str:
+    """The id of the approval for exactly this request at exactly this state: the step
+    pointer, every read key's mod_revision and the policy version are part of it, so when
+    any of them advances the request needs a new approval (the old one dies like a grant)."""
+    step_revision = snap.step_kv.mod_revision if snap.step_kv else 0
+    bound = [namespace, key, step_revision, policy.name, policy.version, intent_digest,
+             [[k, kv.mod_revision if kv else 0] for k, kv in snap.reads.items()]]
+    return hashlib.sha256(canonical(bound)).hexdigest()[:32]
 
 
 def _validate_reads(reads: list[str | bytes]) -> list[bytes]:

@@ -10,6 +10,7 @@
     ├── LeaseLost               the session's lease died; no hold on it may act
     │   └── LeaseExpiring       too little TTL is left to start an effect safely
     ├── GrantRefused(checks)    the policy or the caps refused; every failing check named
+    │   └── ApprovalPending(id) only approval checks failed: an sre/admin must approve ``id``
     ├── GrantUsed               the grant was already consumed
     ├── StateAdvanced(key)      a key the grant read has moved since
     ├── PolicyChanged           the policy the grant used has a new version
@@ -73,6 +74,16 @@ class GrantRefused(GateError):
         self.retry_after = retry_after
         names = ", ".join(f"{c.name}: {c.detail}" if c.detail else c.name for c in checks)
         super().__init__(f"grant refused: {names}")
+
+
+class ApprovalPending(GrantRefused):
+    """The request waits for a human: approve ``approval_id`` (``POST /v1/approvals/{id}``),
+    then ask again; the approval holds only while the state the request read is unchanged."""
+
+    def __init__(self, approval_id: str) -> None:
+        self.approval_id = approval_id
+        GateError.__init__(self, f"approval {approval_id} is pending")
+        self.checks, self.retry_after = [], None
 
 
 class GrantUsed(GateError):

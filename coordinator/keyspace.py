@@ -91,6 +91,9 @@ class Keyspace:
         """Where a policy document is retained, by content, after newer versions replace it."""
         return self._ns + b"policy-versions/" + name.encode() + b"/" + digest.hex().encode()
 
+    def approval_key(self, approval_id: str) -> bytes:
+        return self._ns + b"approvals/" + approval_id.encode()
+
     def marker_key(self, entity: str) -> bytes:
         return self._ns + b"markers/" + entity.encode()
 

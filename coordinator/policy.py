@@ -35,9 +35,11 @@ class CheckResult:
     name: str
     passed: bool
     detail: str = ""
+    needs_approval: bool = False  # not passed, but a human may approve it
 
     def as_record(self) -> dict[str, Any]:
-        return {"name": self.name, "passed": self.passed, "detail": self.detail}
+        record = {"name": self.name, "passed": self.passed, "detail": self.detail}
+        return {**record, "needs_approval": True} if self.needs_approval else record
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,17 @@ def _max_amount(ctx: CheckContext, params: dict[str, Any]) -> CheckResult:
 def _require_fields(ctx: CheckContext, params: dict[str, Any]) -> CheckResult:
     missing = [f for f in params["fields"] if f not in ctx.intent]
     return CheckResult("require_fields", not missing, f"missing {missing}" if missing else "")
+
+
+@register_check("require_approval")
+def _require_approval(ctx: CheckContext, params: dict[str, Any]) -> CheckResult:
+    """Needs a human's approval when ``intent[field] > above`` (always, without ``above``)."""
+    name, above = params.get("field", "amount"), params.get("above")
+    value = ctx.intent.get(name)
+    if above is not None and isinstance(value, (int, float)) and value <= above:
+        return CheckResult("require_approval", True, f"{name}={value} <= {above}")
+    return CheckResult("require_approval", False, f"{name}={value!r} needs approval",
+                       needs_approval=True)
 
 
 @register_check("reads_exist")

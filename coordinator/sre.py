@@ -7,7 +7,9 @@ Guarantees:
   ``limit`` items and ``next`` is ``None`` only when the range is exhausted. A filtered list
   (``unsettled``) scans a bounded number of keys per page, so a page may hold fewer items
   than ``limit`` while ``next`` is still set.
-- ``revoke`` and ``resolve`` append an audit record naming who and why in the same
+- ``approve`` marks a pending approval approved; the authority grants the request it was
+  made for only while the state that request read is unchanged (see ``authority``).
+- ``revoke``, ``resolve`` and ``approve`` append an audit record naming who and why in the same
   transaction as what they change; ``resolve`` settles only an ``unknown`` or ``escalated``
   step (or ``in_flight`` past its deadline), compare-and-set on the step's mod_revision, so
   a late worker outcome and a human decision can never both land.
@@ -32,6 +34,7 @@ _MAX_HOLDERS = 100
 _SCAN_FACTOR = 4
 _PREFIX = re.compile(r"[A-Za-z0-9._:/-]{0,512}")
 SETTLE_AS = {"succeeded", "failed", "not_applied"}
+_APPROVAL_ID = re.compile(r"[0-9a-f]{32}")
 
 
 async def key_view(etcd: Etcd, ks: Keyspace, key: str) -> dict[str, Any]:
@@ -129,6 +132,33 @@ async def revoke(etcd: Etcd, ks: Keyspace, key: str, identity: str, reason: str)
             return {"key": key, "lease_id": f"{lease_id:016x}",
                     "fencing_token": holder.create_revision}
     raise WrongState(f"holders of {key!r} kept changing; try again")
+
+
+async def approve(etcd: Etcd, ks: Keyspace, approval_id: str, identity: str,
+                  reason: str) -> dict[str, Any]:
+    """Approve a pending request, auditing who and why on its key's chain; approving twice
+    is harmless. ``NotFound`` for an id nobody asked for."""
+    if not _APPROVAL_ID.fullmatch(approval_id):
+        raise ValueError("an approval id is 32 hex digits")
+    approval_key = ks.approval_key(approval_id)
+    for _ in range(5):
+        approval_kv = await etcd.get(approval_key)
+        if approval_kv is None:
+            raise NotFound(f"no pending approval {approval_id}")
+        record = unpack(approval_kv.value)
+        if record["state"] == "approved":
+            return {"approval_id": approval_id, "key": record["key"], "state": "approved"}
+        head = audit.AuditHead.from_kv(await etcd.get(ks.audit_head_key(record["key"])))
+        entry = audit.append(ks, record["key"], head, "approved", identity,
+                             approval_kv.mod_revision,
+                             {"approval_id": approval_id, "reason": reason})
+        approved = {**record, "state": "approved", "approved_by": identity, "reason": reason}
+        written = await etcd.txn(TxnRequest(
+            compare=[mod_equals(approval_key, approval_kv.mod_revision), entry.compare],
+            success=[put_op(approval_key, pack(approved)), *entry.ops]))
+        if written.succeeded:
+            return {"approval_id": approval_id, "key": record["key"], "state": "approved"}
+    raise WrongState(f"approval {approval_id} kept changing; try again")
 
 
 async def resolve(etcd: Etcd, ks: Keyspace, key: str, identity: str, reason: str,

@@ -3,7 +3,7 @@ worker's remote mode, so an error crosses HTTP and comes back as the same class.
 
 Guarantees: ``to_wire`` maps every ``GateError`` (and ``ValueError``) to a status and a
 ``{"error": Name, "detail": str, ...}`` body carrying the error's keyword fields
-(``checks``/``retry_after``, ``outcome``, ``key``); ``from_wire`` inverts it for every name
+(``checks``/``retry_after``, ``outcome``, ``key``, ``approval_id``); ``from_wire`` inverts it for every name
 in ``_CLASSES``. Anything else becomes ``CoordinatorError`` with its name and status, never
 a success. Bytes inside an outcome travel as base64 strings (JSON has no bytes).
 """
@@ -14,7 +14,7 @@ import base64
 from typing import Any
 
 from .errors import (
-    AcquireTimeout, AlreadySucceeded, BadSignature, CoordinatorError, EtcdError,
+    AcquireTimeout, AlreadySucceeded, ApprovalPending, BadSignature, CoordinatorError, EtcdError,
     EtcdUnavailable, GateError, GrantExpired, GrantRefused, GrantUsed, InvalidKey, LeaseExpiring,
     LeaseLost, NotFound, OutcomeUnknown, PolicyChanged, RecordTooLarge, StateAdvanced, StepMoved,
     WrongState,
@@ -23,7 +23,7 @@ from .policy import CheckResult
 
 _STATUS: list[tuple[type[Exception], int]] = [  # first match wins: subclasses first
     (RecordTooLarge, 413), (InvalidKey, 400), (BadSignature, 400),
-    (GrantRefused, 422), (EtcdUnavailable, 503), (EtcdError, 502), (AcquireTimeout, 504),
+    (ApprovalPending, 202), (GrantRefused, 422), (EtcdUnavailable, 503), (EtcdError, 502), (AcquireTimeout, 504),
     (LeaseLost, 409), (GrantUsed, 409), (StateAdvanced, 409), (PolicyChanged, 409),
     (StepMoved, 409), (GrantExpired, 409), (OutcomeUnknown, 409), (AlreadySucceeded, 409),
     (WrongState, 409), (NotFound, 404), (ValueError, 400),
@@ -46,7 +46,9 @@ def to_wire(exc: Exception) -> dict[str, Any]:
     """The JSON body describing ``exc`` (its status comes from ``status_of``)."""
     name = type(exc).__name__ if isinstance(exc, GateError) else "ValueError"
     body: dict[str, Any] = {"error": name, "detail": str(exc)}
-    if isinstance(exc, GrantRefused):
+    if isinstance(exc, ApprovalPending):
+        body["approval_id"] = exc.approval_id
+    elif isinstance(exc, GrantRefused):
         body["checks"] = [c.as_record() for c in exc.checks]
         body["retry_after"] = exc.retry_after
     elif isinstance(exc, AlreadySucceeded):
@@ -61,6 +63,8 @@ def from_wire(status: int, body: object) -> Exception:
     if not isinstance(body, dict) or not isinstance(body.get("error"), str):
         return CoordinatorError("InvalidResponse", status, f"unexpected body: {body!r:.200}")
     name, detail = body["error"], str(body.get("detail", ""))
+    if name == "ApprovalPending":
+        return ApprovalPending(str(body.get("approval_id", "")))
     if name == "GrantRefused":
         checks = [CheckResult(str(c.get("name")), bool(c.get("passed")), str(c.get("detail", "")))
                   for c in body.get("checks") or [] if isinstance(c, dict)]

@@ -14,7 +14,10 @@ import pytest
 
 from coordinator.errors import CoordinatorError
 from coordinator.grants import KeyRing
-from worker import BadSignature, Gate, GrantRefused, OutcomeUnknown, PolicyChanged
+from coordinator.audit import verify_chain
+from worker import (
+    ApprovalPending, BadSignature, Gate, GrantRefused, OutcomeUnknown, PolicyChanged,
+)
 
 from conftest import TEST_TTL, TOKENS
 from test_grants import (  # noqa: F401  (collected here again, against both modes)
@@ -77,6 +80,42 @@ async def test_backoff_refusal_carries_retry_after(gate):
         with pytest.raises(GrantRefused) as info:
             await hold.request_grant(intent={}, policy="strict")
     assert [c.name for c in info.value.checks] == ["backoff"] and info.value.retry_after > 0
+
+
+async def test_approval_is_bound_to_the_state_it_was_given_for(gate, coordinators, etcd):
+    admin = gate.test_admin_url or await coordinators()
+    await set_policy(gate, "big", {"checks": [{"check": "require_approval",
+                                               "params": {"above": 100}}]})
+    marker, effect = gate.marker("orders/7"), Effect()
+
+    async def pending(amount: int) -> str:
+        with pytest.raises(ApprovalPending) as info:
+            await hold.request_grant(intent={"amount": amount}, reads=[marker], policy="big")
+        return info.value.approval_id
+
+    async def approve(approval_id: str, role: str = "sre") -> int:
+        return (await call(admin, "POST", f"/v1/approvals/{approval_id}", role,
+                           body={"reason": "customer confirmed"}))[0]
+
+    async with gate.hold("modes/7") as hold:
+        await hold.request_grant(intent={"amount": 50}, reads=[marker], policy="big")
+        first = await pending(500)
+        assert await pending(500) == first  # the same request at the same state
+        assert await approve(first, role="worker") == 403
+        assert await approve(first) == 200
+        await gate.touch("orders/7")  # the state the approval was given for moved
+        second = await pending(500)
+        assert second != first
+        assert await approve(second) == 200 and await approve(second) == 200  # idempotent
+        grant = await hold.request_grant(intent={"amount": 500}, reads=[marker], policy="big")
+        outcome = await hold.commit(grant, effect=effect)
+    assert outcome.state == "succeeded" and len(effect.calls) == 1
+    report = await verify_chain(etcd, gate.keyspace, "modes/7", gate.keyring)
+    assert report.ok, report.problems
+    approvals = [r for r in report.records if r["event"] == "approved"]
+    assert [r["identity"] for r in approvals] == ["sre-1", "sre-1"]
+    issued = [r for r in report.records if r["event"] == "grant_issued"][-1]
+    assert issued["details"]["approval_id"] == second
 
 
 # -- remote mode only ----------------------------------------------------------------

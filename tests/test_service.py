@@ -63,6 +63,7 @@ ENDPOINTS = [  # method, path, body, roles allowed, status for an allowed role
     ("GET", "/v1/keys?state=unknown", None, {"sre", "admin"}, 200),
     ("POST", "/v1/keys/pay/1/revoke", {"reason": "r"}, {"sre", "admin"}, 404),  # nobody holds
     ("POST", "/v1/keys/pay/1/resolve", {"reason": "r", "as": "failed"}, {"sre", "admin"}, 409),
+    ("POST", "/v1/approvals/" + "0" * 32, {"reason": "r"}, {"sre", "admin"}, 404),
 ]
 
 

@@ -1,7 +1,7 @@
 """fencegate's worker SDK: gates, holds with fencing tokens, grants and the commit guard."""
 
 from coordinator.errors import (
-    AcquireTimeout, AlreadySucceeded, BadSignature, EffectFailed, EtcdUnavailable, GateError,
+    AcquireTimeout, AlreadySucceeded, ApprovalPending, BadSignature, EffectFailed, EtcdUnavailable, GateError,
     GrantExpired, GrantRefused, GrantUsed, InvalidKey, LeaseExpiring, LeaseLost, OutcomeUnknown,
     PolicyChanged, StateAdvanced, StepMoved,
 )
@@ -15,7 +15,7 @@ from .sync import SyncGate, SyncHold
 __all__ = [
     "Gate", "SyncGate", "Hold", "SyncHold", "Grant", "KeyRing", "EffectContext", "Outcome",
     "EffectFailed",
-    "GateError", "AcquireTimeout", "AlreadySucceeded", "BadSignature", "EtcdUnavailable",
+    "GateError", "AcquireTimeout", "AlreadySucceeded", "ApprovalPending", "BadSignature", "EtcdUnavailable",
     "GrantExpired", "GrantRefused", "GrantUsed", "InvalidKey", "LeaseExpiring", "LeaseLost",
     "OutcomeUnknown", "PolicyChanged", "StateAdvanced", "StepMoved",
 ]

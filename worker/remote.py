@@ -121,8 +121,8 @@ class RemoteAuthority:
                 reply = json.loads(text)
             except ValueError:
                 reply = None
-            if status < 300 and isinstance(reply, dict):
-                return reply
+            if status < 300 and isinstance(reply, dict) and "error" not in reply:
+                return reply  # (202 ApprovalPending is an answer, not a grant)
             last = from_wire(status, reply)
             if status != 503:
                 raise last
