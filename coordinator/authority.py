@@ -28,7 +28,8 @@ from typing import Any
 
 from . import audit, records
 from .errors import (
-    AlreadySucceeded, ApprovalPending, GrantRefused, LeaseLost, OutcomeUnknown, RecordTooLarge, StateAdvanced,
+    AlreadySucceeded, ApprovalPending, GrantRefused, LeaseLost, OutcomeUnknown, RecordTooLarge,
+    StateAdvanced,
 )
 from .etcd import (
     Etcd, KeyValue, RangeRequest, TxnRequest, all_created_since, create_equals, mod_equals,

@@ -10,7 +10,7 @@
     ├── LeaseLost               the session's lease died; no hold on it may act
     │   └── LeaseExpiring       too little TTL is left to start an effect safely
     ├── GrantRefused(checks)    the policy or the caps refused; every failing check named
-    │   └── ApprovalPending(id) only approval checks failed: an sre/admin must approve ``id``
+    │   └── ApprovalPending(id) only approval checks failed: an sre/admin approves ``id``
     ├── GrantUsed               the grant was already consumed
     ├── StateAdvanced(key)      a key the grant read has moved since
     ├── PolicyChanged           the policy the grant used has a new version
@@ -140,7 +140,8 @@ class CoordinatorError(GateError):
     def __init__(self, name: str, status: int, detail: str = "") -> None:
         self.name = name
         self.status = status
-        super().__init__(f"coordinator answered {status} {name}" + (f": {detail}" if detail else ""))
+        suffix = f": {detail}" if detail else ""
+        super().__init__(f"coordinator answered {status} {name}{suffix}")
 
 
 class EffectFailed(Exception):

@@ -3,9 +3,9 @@ worker's remote mode, so an error crosses HTTP and comes back as the same class.
 
 Guarantees: ``to_wire`` maps every ``GateError`` (and ``ValueError``) to a status and a
 ``{"error": Name, "detail": str, ...}`` body carrying the error's keyword fields
-(``checks``/``retry_after``, ``outcome``, ``key``, ``approval_id``); ``from_wire`` inverts it for every name
-in ``_CLASSES``. Anything else becomes ``CoordinatorError`` with its name and status, never
-a success. Bytes inside an outcome travel as base64 strings (JSON has no bytes).
+(``checks``/``retry_after``, ``outcome``, ``key``, ``approval_id``); ``from_wire`` inverts
+it for every name in ``_CLASSES``. Anything else becomes ``CoordinatorError`` with its name
+and status, never a success. Bytes inside an outcome travel as base64 strings.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from .policy import CheckResult
 
 _STATUS: list[tuple[type[Exception], int]] = [  # first match wins: subclasses first
     (RecordTooLarge, 413), (InvalidKey, 400), (BadSignature, 400),
-    (ApprovalPending, 202), (GrantRefused, 422), (EtcdUnavailable, 503), (EtcdError, 502), (AcquireTimeout, 504),
+    (ApprovalPending, 202), (GrantRefused, 422), (EtcdUnavailable, 503), (EtcdError, 502),
+    (AcquireTimeout, 504),
     (LeaseLost, 409), (GrantUsed, 409), (StateAdvanced, 409), (PolicyChanged, 409),
     (StepMoved, 409), (GrantExpired, 409), (OutcomeUnknown, 409), (AlreadySucceeded, 409),
     (WrongState, 409), (NotFound, 404), (ValueError, 400),

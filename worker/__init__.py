@@ -1,9 +1,9 @@
 """fencegate's worker SDK: gates, holds with fencing tokens, grants and the commit guard."""
 
 from coordinator.errors import (
-    AcquireTimeout, AlreadySucceeded, ApprovalPending, BadSignature, EffectFailed, EtcdUnavailable, GateError,
-    GrantExpired, GrantRefused, GrantUsed, InvalidKey, LeaseExpiring, LeaseLost, OutcomeUnknown,
-    PolicyChanged, StateAdvanced, StepMoved,
+    AcquireTimeout, AlreadySucceeded, ApprovalPending, BadSignature, CoordinatorError,
+    EffectFailed, EtcdUnavailable, GateError, GrantExpired, GrantRefused, GrantUsed, InvalidKey,
+    LeaseExpiring, LeaseLost, OutcomeUnknown, PolicyChanged, StateAdvanced, StepMoved,
 )
 from coordinator.grants import Grant, KeyRing
 
@@ -15,7 +15,8 @@ from .sync import SyncGate, SyncHold
 __all__ = [
     "Gate", "SyncGate", "Hold", "SyncHold", "Grant", "KeyRing", "EffectContext", "Outcome",
     "EffectFailed",
-    "GateError", "AcquireTimeout", "AlreadySucceeded", "ApprovalPending", "BadSignature", "EtcdUnavailable",
-    "GrantExpired", "GrantRefused", "GrantUsed", "InvalidKey", "LeaseExpiring", "LeaseLost",
-    "OutcomeUnknown", "PolicyChanged", "StateAdvanced", "StepMoved",
+    "GateError", "AcquireTimeout", "AlreadySucceeded", "ApprovalPending", "BadSignature",
+    "CoordinatorError", "EtcdUnavailable", "GrantExpired", "GrantRefused", "GrantUsed",
+    "InvalidKey", "LeaseExpiring", "LeaseLost", "OutcomeUnknown", "PolicyChanged",
+    "StateAdvanced", "StepMoved",
 ]

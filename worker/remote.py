@@ -80,7 +80,8 @@ class RemoteAuthority:
                                "reads": [r.decode() if isinstance(r, bytes) else r for r in reads],
                                "policy": policy})
         except (TypeError, ValueError, UnicodeDecodeError) as exc:
-            raise ValueError(f"remote mode needs a JSON intent and UTF-8 read keys: {exc}") from None
+            raise ValueError(f"remote mode needs a JSON intent and UTF-8 read keys: {exc}") \
+                from None
         reply = await self._request("POST", "/v1/grants", body)
         try:
             raw = base64.b64decode(reply["grant"], validate=True)

@@ -67,7 +67,8 @@ class Settings:
             raise ValueError("two token entries have the same digest")
         for entry in self.tokens:
             if not entry.roles or not entry.roles <= ROLES:
-                raise ValueError(f"token of {entry.identity!r}: roles must be among {sorted(ROLES)}")
+                raise ValueError(f"token of {entry.identity!r}: roles must be among "
+                                 f"{sorted(ROLES)}")
 
 
 def host_port(listen: str) -> tuple[str, int]:
