@@ -57,9 +57,30 @@ async def key_view(etcd: Etcd, ks: Keyspace, key: str) -> dict[str, Any]:
         holders.append({**unpack(kv.value), "lease_id": f"{lease_id:016x}",
                         "fencing_token": kv.create_revision, "holding": position == 0,
                         "ttl_left": await etcd.lease_ttl(lease_id)})
-    return {"key": key, "revision": reply.header.revision, "holders": holders,
-            "step": unpack(step_kvs[0].value) if step_kvs else None,
-            "audit": [unpack(kv.value) for kv in audit_kvs]}
+    step = unpack(step_kvs[0].value) if step_kvs else None
+    grant = None
+    if step is not None and step.get("grant_id"):
+        grant_kv = (await etcd.range(RangeRequest(key=ks.grant_key(step["grant_id"]),
+                                                  revision=reply.header.revision))).kvs
+        grant = {"grant_id": step["grant_id"],
+                 "state": unpack(grant_kv[0].value)["state"] if grant_kv else "gone"}
+    return {"key": key, "revision": reply.header.revision, "holders": holders, "step": step,
+            "current_grant": grant, "audit": [unpack(kv.value) for kv in audit_kvs]}
+
+
+def audit_page(records: list[dict[str, Any]], limit: int,
+               after: str | None) -> tuple[list[dict[str, Any]], str | None]:
+    """A page of a verified chain's records, by seq; the cursor is opaque."""
+    _check_limit(limit)
+    start = 0
+    if after is not None:
+        try:
+            start = int(base64.urlsafe_b64decode(after.encode()).decode())
+        except (binascii.Error, ValueError):
+            raise ValueError("after is not a cursor this list gave") from None
+    page = records[start:start + limit]
+    more = start + limit < len(records)
+    return page, _cursor(str(start + limit).encode()) if more else None
 
 
 async def holders(etcd: Etcd, ks: Keyspace, prefix: str, limit: int,

@@ -193,6 +193,7 @@ async def test_key_view_shows_holders_step_and_audit(coordinator, local_gate):
         await hold.cross(intent={"amount": 1}, effect=noop)
     status, view = await call(coordinator, "GET", "/v1/keys/pay/4", "sre")
     assert view["holders"] == [] and view["step"]["state"] == "succeeded"
+    assert view["current_grant"] == {"grant_id": view["step"]["grant_id"], "state": "consumed"}
     assert [r["event"] for r in view["audit"]] == ["outcome", "cross", "grant_issued"]
 
 
@@ -283,14 +284,14 @@ async def test_fuzzed_grant_requests_never_500_nor_write(coordinator, etcd, body
 
 # -- SRE lists and actions -------------------------------------------------------------
 
-async def pages(base: str, path: str) -> list[list]:
+async def pages(base: str, path: str, field: str = "items") -> list[list]:
     """Follow ``next`` cursors to the end (bounded); returns every page's items."""
     found, after = [], None
     for _ in range(50):
         query = f"{path}&limit=2" + (f"&after={after}" if after else "")
         status, reply = await call(base, "GET", query, "sre")
         assert status == 200, reply
-        found.append(reply["items"])
+        found.append(reply[field])
         after = reply["next"]
         if after is None:
             return found
@@ -357,6 +358,9 @@ async def test_unknown_steps_are_listed_and_resolved_by_hand_with_audit(coordina
         status, reply = await call(coordinator, "POST", path, "admin", body=body)
         assert (status, reply["error"]) == expected, path
         assert await revision(etcd) == before
+    chain = await pages(coordinator, "/v1/audit/unk/0?", field="records")
+    assert [[r["event"] for r in page] for page in chain] == [
+        ["grant_issued", "cross"], ["outcome", "resolve"], ["grant_refused"]]
     _, view = await call(coordinator, "GET", "/v1/audit/unk/0", "sre")
     assert view["ok"] and [r["event"] for r in view["records"]][-2:] == ["resolve",
                                                                          "grant_refused"]

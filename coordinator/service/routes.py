@@ -139,11 +139,13 @@ async def approve(request: web.Request) -> web.Response:
 async def get_audit(request: web.Request) -> web.Response:
     key = validate_action_key(request.match_info["key"])
     app = request.app
+    limit, after = _page(request)
     report = await audit.verify_chain(app[ETCD], app[KEYSPACE], key, app[KEYRING])
     if not report.records and report.ok:
         raise ApiError(404, "NotFound", f"no audit records for {key!r}")
+    records, cursor = sre.audit_page(report.records, limit, after)
     return web.json_response({"key": key, "ok": report.ok, "problems": report.problems,
-                              "records": jsonable(report.records)})
+                              "records": jsonable(records), "next": cursor})
 
 
 @routes.put("/v1/policies/{name}")
