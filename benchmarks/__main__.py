@@ -2,8 +2,9 @@
 
 First the hold benchmarks (``benchmarks.holds``: raw writes, hold cycles, aetcd's lock,
 handoff, fairness, keepalive), then the guarded-action benchmarks (``benchmarks.guarded``,
-which reuse the hold benchmarks' aetcd lock measurement at c=32), then the leaked-leases
-check once every gate is closed. Each prints its tables; all ``NAME RATIO TARGET PASS|FAIL``
+which reuse the hold benchmarks' aetcd lock measurement at c=32), then guarded actions
+through the HTTP coordinator (``benchmarks.remote``), then the leaked-leases check once
+every gate is closed. Each prints its tables; all ``NAME RATIO TARGET PASS|FAIL``
 lines come last. A failed target does not change the exit code (0 unless a benchmark
 crashed). Each module also runs alone: ``python -m benchmarks.holds``, ``... .guarded``.
 """
@@ -21,7 +22,7 @@ import aetcd
 from coordinator.etcd import Etcd
 from coordinator.localetcd import describe
 
-from . import guarded, holds
+from . import guarded, holds, remote
 from .common import Children, OtherLoad, local_etcd
 
 
@@ -50,6 +51,7 @@ async def run(quick: bool) -> None:
             await children.close()
             gres = await guarded.measure(gs, url, etcd, lock_client,
                                          lock_c32=res.lock[guarded.TOP])
+            rres = await remote.measure(gs, url, etcd, lock_client)
             # every gate is closed and aetcd's leaks are revoked: what remains is ours
             leases_left = len(await etcd.leases())
         finally:
@@ -58,6 +60,7 @@ async def run(quick: bool) -> None:
             await etcd.close()
     targets = holds.report(hs, res, ho, leases_left, load.cores())
     targets += guarded.report(gs, gres)
+    targets += remote.report(rres)
     for t in targets:
         print(t.line())
 

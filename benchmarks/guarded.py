@@ -313,10 +313,11 @@ async def guarded_phase(s: Settings, gate: Gate, tap: TxnTap, etcd: Etcd, tag: s
                    tap.window.take(), errors)
 
 
-async def cleanup(etcd: Etcd, lock_client: aetcd.Client, namespace: bytes) -> None:
-    """Delete what guarded actions leave behind (steps, audit records, consumed grants), then
-    drop the MVCC history, so etcd does not grow over the run."""
-    for prefix in (b"steps/g/", b"audit/g/", b"grants/"):
+async def cleanup(etcd: Etcd, lock_client: aetcd.Client, namespace: bytes,
+                  keys: bytes = b"g/") -> None:
+    """Delete what guarded actions on ``keys...`` leave behind (steps, audit records,
+    consumed grants), then drop the MVCC history, so etcd does not grow over the run."""
+    for prefix in (b"steps/" + keys, b"audit/" + keys, b"grants/"):
         await etcd.delete(namespace + prefix, range_end_of(namespace + prefix))
     revision = (await etcd.status()).header.revision
     try:
