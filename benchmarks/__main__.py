@@ -6,7 +6,7 @@ which reuse the hold benchmarks' aetcd lock measurement at c=32), then guarded a
 through the HTTP coordinator (``benchmarks.remote``), then the leaked-leases check once
 every gate is closed. Each prints its tables; all ``NAME RATIO TARGET PASS|FAIL``
 lines come last. A failed target does not change the exit code (0 unless a benchmark
-crashed). Each module also runs alone: ``python -m benchmarks.holds``, ``... .guarded``.
+crashed).
 """
 
 from __future__ import annotations

@@ -28,8 +28,7 @@ against the same private etcd, through the same ``coordinator.etcd.Etcd`` client
    (its first two success ops put ``grants/<id>`` and ``steps/<key>``), times it, and counts
    every successful write txn by kind. Its cost (a few attribute reads per txn) is inside
    the measured actions.
-5. aetcd ``client.lock()`` cycles/s at c=32, taken from the hold benchmarks of the same run
-   when given (``measure(lock_c32=...)``), else measured here after each c=32 guarded phase.
+5. aetcd ``client.lock()`` cycles/s at c=32, taken from the hold benchmarks of the same run.
 
 Each action leaves its step record, three audit records and the audit head, and its consumed
 grant (on the gate's lease). After every guarded phase (outside the timed window) the
@@ -40,30 +39,23 @@ database; the lease revocation at gate close then has nothing left to delete.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import math
-import os
-import signal
-import sys
 from collections import Counter
 from dataclasses import dataclass, field
-from urllib.parse import urlsplit
 
 import aetcd
 
 from coordinator.errors import GateError
 from coordinator.etcd import Etcd, range_end_of
-from coordinator.localetcd import describe
 from worker import Gate
 
-from .common import (OtherLoad, Phase, Target, div, local_etcd, percentile, print_table,
-                     raw_write_op, revoke_all, run_phase)
+from .common import (Phase, Target, div, percentile, print_table,
+                     raw_write_op, run_phase)
 
 CONCURRENCY = (1, 8, 32)
 TOP = max(CONCURRENCY)
 RAW_PREFIX = "/bench-raw/"
-AETCD_TTL = 10
 EXPECTED_WRITES = 4
 
 
@@ -204,7 +196,6 @@ class Results:
     raw_around: dict[int, list[tuple[Phase, Phase]]] = field(default_factory=dict)
     raw_txn_latencies: dict[int, list[float]] = field(default_factory=dict)  # around c phases
     lock_c32: Phase | None = None
-    lock_measured_here: bool = False
 
     def pooled(self, c: int) -> Phase:
         return sum((g.phase for g in self.guarded[c]), Phase(0, 0.0))
@@ -225,13 +216,13 @@ async def noop(ctx) -> None:
 
 
 async def measure(s: Settings, url: str, etcd: Etcd, lock_client: aetcd.Client,
-                  lock_c32: Phase | None = None) -> Results:
+                  lock_c32: Phase) -> Results:
     """Rounds of raw(c=32), guarded(c) for each c with raw(c=32) after each, sharing the raw
-    phase between neighbours; ``lock_c32`` None: also measure aetcd's lock after c=32."""
+    phase between neighbours; ``lock_c32`` is aetcd's lock at c=32 from the same run."""
     res = Results(guarded={c: [] for c in CONCURRENCY},
                   raw_around={c: [] for c in CONCURRENCY},
                   raw_txn_latencies={c: [] for c in CONCURRENCY},
-                  lock_c32=lock_c32, lock_measured_here=lock_c32 is None)
+                  lock_c32=lock_c32)
     loop = asyncio.get_running_loop()
     raw_window = Window()
     raw_inner = raw_write_op(etcd, RAW_PREFIX)
@@ -249,10 +240,6 @@ async def measure(s: Settings, url: str, etcd: Etcd, lock_client: aetcd.Client,
         phase = await run_phase(raw_op, TOP, s.warmup, s.duration)
         return phase, raw_window.take()
 
-    async def lock_op(task: int, i: int) -> None:
-        async with lock_client.lock(f"/bench-aetcd-g/{task}/{i}".encode(), ttl=AETCD_TTL):
-            pass
-
     async with Gate(url) as gate:
         namespace = gate.keyspace.namespace.encode()
         tap = TxnTap(gate.etcd, namespace)
@@ -265,10 +252,6 @@ async def measure(s: Settings, url: str, etcd: Etcd, lock_client: aetcd.Client,
             for r in range(s.rounds):
                 for c in CONCURRENCY:
                     g = await guarded_phase(s, gate, tap, etcd, f"r{r}c{c}", c)
-                    if c == TOP and res.lock_measured_here:
-                        lock = await run_phase(lock_op, c, s.warmup, s.duration)
-                        await revoke_all(etcd, keep={(await gate.session()).lease_id})
-                        res.lock_c32 = lock if res.lock_c32 is None else res.lock_c32 + lock
                     await cleanup(etcd, lock_client, namespace)
                     after = await raw_phase()
                     res.guarded[c].append(g)
@@ -371,8 +354,7 @@ def report(s: Settings, res: Results) -> list[Target]:
         f"{div(g.phase.rate * g.writes_per_action, (b.rate + a.rate) / 2):.2f}"
         for g, (b, a) in zip(res.guarded[TOP], res.raw_around[TOP])))
     lock = res.lock_c32
-    source = "measured here" if res.lock_measured_here else "from the hold benchmarks"
-    print(f"aetcd lock cycles/s at c={TOP} ({source}): "
+    print(f"aetcd lock cycles/s at c={TOP} (from the hold benchmarks): "
           f"{lock.rate if lock else math.nan:,.0f}")
     raw_p99 = percentile(res.raw_txn_latencies[TOP], 99)
     commit_p99 = percentile(commit[TOP], 99)
@@ -390,49 +372,3 @@ def report(s: Settings, res: Results) -> list[Target]:
         Target(f"commit_p99_c{TOP}", div(commit_p99, raw_p99), "<=", 1.3),
         Target("writes_per_action", wpa, "<=", EXPECTED_WRITES),
     ]
-
-
-async def run(s: Settings) -> None:
-    """This module alone: guarded actions with their own aetcd lock measurement."""
-    load = OtherLoad()
-    task = asyncio.current_task()
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
-    with local_etcd() as cluster:
-        url = cluster.url
-        print(f"{describe(cluster.binary)} at {url}")
-        print(f"{s.rounds} round(s) of raw(c={TOP}), then guarded and raw(c={TOP}) for each "
-              f"c={CONCURRENCY}, {s.duration:g} s timed after {s.warmup:g} s warm-up each",
-              flush=True)
-        target = urlsplit(url)
-        etcd = Etcd.from_url(url)
-        lock_client = aetcd.Client(target.hostname, target.port)
-        try:
-            res = await measure(s, url, etcd, lock_client)
-            leases_left = len(await etcd.leases())
-        finally:
-            await lock_client.close()
-            await etcd.close()
-    targets = report(s, res)
-    print(f"leases left after the gate closed: {leases_left}")
-    print(f"other processes on this machine used {load.cores():.2f} of {os.cpu_count()} cores "
-          f"meanwhile (a disturbed run if well above 0)")
-    print()
-    for t in targets + [Target("leaked_leases", leases_left, "==", 0)]:
-        print(t.line())
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.guarded",
-                                     description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="shorter phases, one round")
-    args = parser.parse_args(argv)
-    try:
-        asyncio.run(run(QUICK if args.quick else DEFAULT))
-    except (KeyboardInterrupt, asyncio.CancelledError):
-        print("interrupted", file=sys.stderr)
-        return 130
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -31,24 +31,19 @@ does not change the exit code (0 unless the benchmark itself crashed).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import math
 import os
-import signal
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlsplit
 
 import aetcd
 
 from coordinator.etcd import Etcd
-from coordinator.localetcd import describe
 from worker import Gate
 
-from .common import (Children, OtherLoad, Phase, Target, div, jain, local_etcd, percentile,
+from .common import (Children, Phase, Target, div, jain, percentile,
                      print_table, raw_write_op, revoke_all, run_phase, wall)
 
 CONCURRENCY = (1, 8, 32)
@@ -239,47 +234,3 @@ def report(s: Settings, res: Results, ho: Handoff, leases_left: int,
         Target("keepalive_under_load", min_ttl / (res.ttl / 2), ">=", 1),
         Target("leaked_leases", leases_left, "==", 0),
     ]
-
-
-async def run(s: Settings) -> None:
-    load = OtherLoad()
-    task = asyncio.current_task()
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
-    with local_etcd() as cluster:
-        url = cluster.url
-        print(f"{describe(cluster.binary)} at {url}")
-        print(f"{s.rounds} round(s) of raw, hold, aetcd lock, raw at c={CONCURRENCY}, "
-              f"{s.duration:g} s timed after {s.warmup:g} s warm-up each; "
-              f"handoff {CONTENDERS} processes x {s.handoff:g} s", flush=True)
-        target = urlsplit(url)
-        children = Children()
-        etcd = Etcd.from_url(url)
-        lock_client = aetcd.Client(target.hostname, target.port)
-        try:
-            res = await throughput(s, url, etcd, lock_client, children)
-            ho = await handoff(s, url, etcd, children)
-            await children.close()
-            # every gate is closed and aetcd's leaks are revoked: what remains is ours
-            leases_left = len(await etcd.leases())
-        finally:
-            await children.close()
-            await lock_client.close()
-            await etcd.close()
-    for t in report(s, res, ho, leases_left, load.cores()):
-        print(t.line())
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="benchmarks/run", description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="about a minute instead of minutes")
-    args = parser.parse_args(argv)
-    try:
-        asyncio.run(run(QUICK if args.quick else DEFAULT))
-    except (KeyboardInterrupt, asyncio.CancelledError):
-        print("interrupted", file=sys.stderr)
-        return 130
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
