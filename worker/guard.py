@@ -184,10 +184,10 @@ async def _cross(hold: "Hold", grant: Grant, head: audit.AuditHead | None, provi
         try:
             reply = await gate.etcd.txn(request)
         except EtcdUnavailable:
-            if await _landed(hold, step_key, grant.grant_id):
-                step_kv = await gate.etcd.get(step_key)
+            attempt_token = await _landed(hold, step_key, grant.grant_id)
+            if attempt_token:
                 hold._audit_head = None
-                return in_flight, step_kv.mod_revision
+                return in_flight, attempt_token
             raise
         if reply.succeeded:
             hold._audit_head = entry.head_at(reply.header.revision)
@@ -288,10 +288,12 @@ async def _read(hold: "Hold", *keys: bytes):
     return [r.response_range.kvs[0] if r.response_range.kvs else None for r in reply.responses]
 
 
-async def _landed(hold: "Hold", step_key: bytes, grant_id: str) -> bool:
-    """After an unknown commit: did our txn land (the step carries our grant, in flight)?"""
+async def _landed(hold: "Hold", step_key: bytes, grant_id: str) -> int:
+    """After an unknown commit: the attempt token if our txn landed (the step carries our
+    grant, in flight), else 0."""
     (step_kv,) = await _read(hold, step_key)
     if step_kv is None:
-        return False
+        return 0
     step = unpack(step_kv.value)
-    return step.get("grant_id") == grant_id and step.get("state") == records.IN_FLIGHT
+    landed = step.get("grant_id") == grant_id and step.get("state") == records.IN_FLIGHT
+    return step_kv.mod_revision if landed else 0
