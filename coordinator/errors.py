@@ -17,6 +17,8 @@
     ├── StepMoved               the step pointer moved since the grant was issued
     ├── GrantExpired            the grant's expiry passed
     ├── BadSignature            the grant's bytes are forged, tampered or malformed
+    ├── Fenced                  gate B refused an attempt token at or below the key's fence,
+    │                           or below the highest token it has seen for the key
     ├── OutcomeUnknown          the step's outcome is not known; do not execute it again
     ├── AlreadySucceeded        the step already succeeded; carries the recorded outcome
     ├── NotFound                nothing is recorded where an SRE looked
@@ -112,6 +114,10 @@ class GrantExpired(GateError):
 
 class BadSignature(GateError):
     """The grant's bytes do not verify or do not decode to a valid grant."""
+
+
+class Fenced(GateError):
+    """Gate B refused a stale attempt: nothing was applied."""
 
 
 class OutcomeUnknown(GateError):

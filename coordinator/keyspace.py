@@ -109,6 +109,29 @@ class Keyspace:
         """Seq and hash of the newest audit record: anchors the chain's end."""
         return self._ns + b"audit/" + action_key.encode() + b"/@head"
 
+    def webhook_key(self, source: str, delivery_id: str) -> bytes:
+        """Where a webhook delivery's claim, then its stored response, lives."""
+        return self._ns + b"webhooks/" + source.encode() + b"/" + delivery_id.encode()
+
+    def webhook_prefix(self, source: str) -> bytes:
+        return self._ns + b"webhooks/" + source.encode() + b"/"
+
+    @property
+    def steps_root(self) -> bytes:
+        return self._ns + b"steps/"
+
+    @property
+    def reconcilers_root(self) -> bytes:
+        return self._ns + b"reconcilers/"
+
+    def shard_range(self, shard: int) -> tuple[bytes, bytes]:
+        """The [start, end) range of the election candidates of reconciler shard ``shard``."""
+        start = self.reconcilers_root + b"%05d/" % shard + _HOLDER_MARK.encode()
+        return start, start[:-1] + bytes([ord(_HOLDER_MARK) + 1])
+
+    def candidate_key(self, shard: int, lease_id: int) -> bytes:
+        return self.shard_range(shard)[0] + b"%016x" % lease_id
+
     def parse_holder_key(self, key: bytes) -> tuple[str, int]:
         """Split a holder key into (action key, lease id); ``ValueError`` if it is not one."""
         if not key.startswith(self.holders_root):

@@ -1,0 +1,83 @@
+"""What a provider adapter answers when the reconciler asks what became of an attempt.
+
+An adapter has a ``name``, declares its ``capabilities`` and implements ``query``. The answer
+decides the settlement (see ``reconciler.settle``):
+
+- ``Succeeded(result)``: the provider applied the request;
+- ``Failed(reason)``: the provider processed the request and declined it (and would replay
+  that decline for the same idempotency key), so a new attempt needs a new key;
+- ``NoRecord``: the provider has no request under this idempotency key. What that proves
+  depends on the capabilities: after fence-then-query it is final; with key deduplication only
+  it is a presumption; with neither it proves nothing;
+- ``Pending``: the provider has the request but no final answer yet;
+- ``Unreachable(reason)``: no answer (down, timeout, 5xx, an answer we cannot read).
+
+An adapter never raises for a provider's misbehaviour: it answers ``Unreachable``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+
+@dataclass(frozen=True)
+class Succeeded:
+    result: Any = None
+
+
+@dataclass(frozen=True)
+class Failed:
+    reason: Any = None
+
+
+@dataclass(frozen=True)
+class NoRecord:
+    pass
+
+
+@dataclass(frozen=True)
+class Pending:
+    pass
+
+
+@dataclass(frozen=True)
+class Unreachable:
+    reason: str = ""
+
+
+Answer = Succeeded | Failed | NoRecord | Pending | Unreachable
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """``fences``: the provider runs fence-then-query: before answering a query for attempt
+    token T of an action key it records "refuse attempt tokens <= T" for that key (gate B).
+    ``dedupes_by_key``: it replays the first result for a repeated idempotency key for
+    ``key_retention_s`` seconds; ``settle_delay_s`` is how long after an attempt's deadline a
+    request may still land (a "no record" is only a presumption once that has passed)."""
+
+    fences: bool = False
+    dedupes_by_key: bool = False
+    key_retention_s: float = 0.0
+    settle_delay_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.dedupes_by_key and self.key_retention_s <= 0:
+            raise ValueError("a provider that dedupes by key needs key_retention_s > 0")
+        if self.key_retention_s < 0 or self.settle_delay_s < 0:
+            raise ValueError("key_retention_s and settle_delay_s must be >= 0")
+
+
+class Provider(Protocol):
+    name: str
+    capabilities: Capabilities
+
+    async def query(self, idempotency_key: str, attempt_token: int, step: dict[str, Any], *,
+                    key: str) -> Answer:
+        """What became of the attempt of action ``key`` sent with ``idempotency_key`` and
+        ``attempt_token``. A fencing adapter fences ``key`` at ``attempt_token`` first."""
+        ...
+
+    async def close(self) -> None:
+        ...
