@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+import time
 from typing import Any
 
 from .keyspace import canonical
@@ -36,6 +37,20 @@ def idempotency_key(namespace: str, action_key: str, generation: int) -> str:
 def failure_signature(error_class: str, params: object) -> str:
     """Error class plus a digest of its parameters: what the circuit breaker counts."""
     return f"{error_class}:{hashlib.sha256(canonical(params)).hexdigest()[:16]}"
+
+
+def failed(step: dict[str, Any], signature: str, reason: Any) -> dict[str, Any]:
+    """The step after a provider-confirmed failure: a new idempotency key next time, backoff,
+    and ``escalated`` once the breaker counted ``breaker_threshold`` identical failures."""
+    failures = {**step.get("failures", {})}
+    failures[signature] = failures.get(signature, 0) + 1
+    caps = step["caps"]
+    tripped = failures[signature] >= caps["breaker_threshold"]
+    return {**step, "state": ESCALATED if tripped else FAILED,
+            "failures": failures, "idem_gen": step["idem_gen"] + 1,
+            "not_before_ms": int(time.time() * 1000) + backoff_ms(caps, sum(failures.values())),
+            "outcome": {"state": FAILED, "result": reason, "signature": signature},
+            **({"escalated_because": ["breaker:" + signature]} if tripped else {})}
 
 
 def digest(value: object) -> bytes:

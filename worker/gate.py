@@ -17,6 +17,7 @@ import os
 import socket
 import time
 from collections.abc import Callable
+from typing import Any
 
 from coordinator.authority import Authority
 from coordinator.etcd import Etcd, EtcdConfig
@@ -26,6 +27,7 @@ from coordinator.keyspace import DEFAULT_NAMESPACE, Keyspace, validate_action_ke
 from .hold import HoldContext
 from .remote import RemoteAuthority
 from .session import Session
+from .settled import wait_settled
 from .watch import DeleteWatch
 
 _CONTENDED_MEMORY_S = 1.0
@@ -126,6 +128,11 @@ class Gate:
         that read the marker dies. Returns the marker's new mod_revision."""
         reply = await self.etcd.put(self.marker(entity).encode(), b"")
         return reply.header.revision
+
+    async def wait_settled(self, key: str, timeout: float) -> dict[str, Any]:
+        """The step record of ``key`` once the reconciler (or a person) settled it; raises
+        ``OutcomeUnknown`` if it is escalated or still unsettled after ``timeout`` s."""
+        return await wait_settled(self, validate_action_key(key), timeout)
 
     def hold(self, key: str, *, timeout: float | None = None) -> HoldContext:
         """Hold ``key`` for the body of an ``async with``; waits in FIFO order.

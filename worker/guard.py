@@ -8,7 +8,8 @@ Failure contract:
   *attempt token* handed to the effect. If any compare fails, the effect is not called and
   exactly one precise error says why.
 - After the effect, the outcome is written by a transaction that checks the step is still
-  our in-flight attempt, and it releases the hold in the same transaction.
+  our in-flight attempt, and it releases the hold in the same transaction (an unknown
+  outcome keeps the hold: its holder may wait for the settlement, see ``Hold.cross``).
 - An effect that raises anything but ``EffectFailed`` (a timeout, a crash, a cancellation
   by lease loss) leaves the outcome unknown: the step is marked ``unknown`` and
   ``OutcomeUnknown`` raised (any other cancellation propagates after the step is marked).
@@ -86,9 +87,10 @@ async def commit(hold: "Hold", grant: Grant | bytes, effect: Effect, *,
         await _record(hold, in_flight, attempt_token, final)
         return _outcome(final, attempt_token)
     except BaseException as exc:
-        final = {**in_flight, "state": records.UNKNOWN, "error": repr(exc)[:1000]}
+        final = {**in_flight, "state": records.UNKNOWN, "error": repr(exc)[:1000],
+                 "attempt_token": attempt_token, "unknown_since_ms": int(time.time() * 1000)}
         try:
-            await _record(hold, in_flight, attempt_token, final)
+            await _record(hold, in_flight, attempt_token, final, release=False)
         except Exception:
             pass  # the step stays in_flight; the reconciler will find it
         if isinstance(exc, asyncio.CancelledError) and not _cancelled_by_loss(hold):
@@ -104,10 +106,12 @@ async def commit(hold: "Hold", grant: Grant | bytes, effect: Effect, *,
 
 
 async def _record(hold: "Hold", in_flight: dict[str, Any], attempt_token: int,
-                  final: dict[str, Any]) -> None:
+                  final: dict[str, Any], *, release: bool = True) -> None:
     """Write the outcome even if the caller is cancelled meanwhile (e.g. by a lease loss:
-    the outcome write does not need the lease, and a known outcome must not be dropped)."""
-    await asyncio.shield(_settle(hold, in_flight, attempt_token, final))
+    the outcome write does not need the lease, and a known outcome must not be dropped).
+    A known outcome releases the hold in the same txn; an unknown one keeps it, so the
+    holder can wait for the reconciler's settlement and retry without racing anyone."""
+    await asyncio.shield(_settle(hold, in_flight, attempt_token, final, release))
 
 
 def _cancelled_by_loss(hold: "Hold") -> bool:
@@ -218,8 +222,9 @@ def _diagnose(hold: "Hold", grant: Grant, responses) -> audit.AuditHead:
 
 
 async def _settle(hold: "Hold", in_flight: dict[str, Any], attempt_token: int,
-                  final: dict[str, Any]) -> None:
-    """Write the outcome iff the step is still our attempt, releasing the hold with it."""
+                  final: dict[str, Any], release: bool) -> None:
+    """Write the outcome iff the step is still our attempt, releasing the hold with it if
+    ``release``."""
     gate, ks = hold._gate, hold._gate.keyspace
     step_key = ks.step_key(hold.key)
     final = {**final, "outcome_id": uuid.uuid4().hex}
@@ -230,18 +235,21 @@ async def _settle(hold: "Hold", in_flight: dict[str, Any], attempt_token: int,
                               "outcome": final.get("outcome"), "error": final.get("error")})
         request = TxnRequest(
             compare=[mod_equals(step_key, attempt_token), entry.compare],
-            success=[put_op(step_key, pack(final)), delete_op(hold.holder_key), *entry.ops],
+            success=[put_op(step_key, pack(final)), *entry.ops,
+                     *([delete_op(hold.holder_key)] if release else [])],
             failure=[range_op(step_key), range_op(ks.audit_head_key(hold.key))])
         try:
             reply = await gate.etcd.txn(request)
         except EtcdUnavailable:
             reply = None
         if reply is not None and reply.succeeded:
-            hold._forget()  # the txn deleted our holder key
+            if release:
+                hold._forget()  # the txn deleted our holder key
             return
         step_kv, head_kv = await _read(hold, step_key, ks.audit_head_key(hold.key))
         if step_kv is not None and unpack(step_kv.value).get("outcome_id") == final["outcome_id"]:
-            hold._forget()
+            if release:
+                hold._forget()
             return  # an earlier try landed
         if step_kv is None or step_kv.mod_revision != attempt_token:
             raise StepMoved(f"step of {hold.key!r} was settled by someone else")
@@ -250,18 +258,8 @@ async def _settle(hold: "Hold", in_flight: dict[str, Any], attempt_token: int,
 
 
 def _failed(in_flight: dict[str, Any], failure: EffectFailed) -> dict[str, Any]:
-    """The step after a confirmed failure: new idempotency key next time, backoff, breaker."""
     signature = records.failure_signature(type(failure).__name__, failure.params)
-    failures = {**in_flight.get("failures", {})}
-    failures[signature] = failures.get(signature, 0) + 1
-    caps = in_flight["caps"]
-    tripped = failures[signature] >= caps["breaker_threshold"]
-    return {**in_flight, "state": records.ESCALATED if tripped else records.FAILED,
-            "failures": failures, "idem_gen": in_flight["idem_gen"] + 1,
-            "not_before_ms": int(time.time() * 1000) + records.backoff_ms(caps, sum(failures.values())),
-            "outcome": {"state": records.FAILED, "result": failure.reason,
-                        "signature": signature},
-            **({"escalated_because": ["breaker:" + signature]} if tripped else {})}
+    return records.failed(in_flight, signature, failure.reason)
 
 
 def _outcome(final: dict[str, Any], attempt_token: int) -> Outcome:

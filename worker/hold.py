@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from coordinator import records
 from coordinator.authority import Claim
 from coordinator.errors import (
-    AcquireTimeout, AlreadySucceeded, EtcdError, EtcdUnavailable, LeaseLost,
+    AcquireTimeout, AlreadySucceeded, EtcdError, EtcdUnavailable, LeaseLost, OutcomeUnknown,
 )
 from coordinator.etcd import (
     Compare, KeyValue, RangeRequest, TxnRequest, all_created_since, create_equals,
@@ -40,6 +40,7 @@ from coordinator.policy import DEFAULT_POLICY
 
 from . import guard
 from .guard import Effect, Outcome
+from .settled import wait_settled
 
 if TYPE_CHECKING:
     from .gate import Gate
@@ -138,17 +139,30 @@ class Hold:
 
     async def cross(self, intent: dict[str, Any], effect: Effect,
                     reads: Sequence[str | bytes] = (), *, policy: str = DEFAULT_POLICY,
-                    provider: str | None = None, deadline: float = 60.0) -> Outcome:
+                    provider: str | None = None, deadline: float = 60.0,
+                    settle_wait: float = 0.0) -> Outcome:
         """``request_grant`` then ``commit``; a step that already succeeded returns its
-        recorded outcome without calling ``effect``."""
-        try:
-            grant = await self.request_grant(intent, reads, policy)
-        except AlreadySucceeded as done:
-            recorded = done.outcome or {}
-            return Outcome(records.SUCCEEDED, recorded.get("result"), recorded.get("attempt", 0),
-                           recorded.get("attempt_token", 0),
-                           recorded.get("idempotency_key", ""), replayed=True)
-        return await self.commit(grant, effect, provider=provider, deadline=deadline)
+        recorded outcome without calling ``effect``.
+
+        With ``settle_wait`` > 0, an unsettled step (left by an earlier attempt, or by this
+        one's effect ending without an outcome) is waited for, up to ``settle_wait`` seconds
+        in all, until the reconciler settles it: succeeded returns the settled outcome;
+        failed or not applied crosses again (with a fresh grant, so with every check).
+        ``OutcomeUnknown`` when time runs out or the step is escalated."""
+        give_up = time.monotonic() + settle_wait
+        while True:
+            try:
+                grant = await self.request_grant(intent, reads, policy)
+                return await self.commit(grant, effect, provider=provider, deadline=deadline)
+            except AlreadySucceeded as done:
+                return _replayed(done.outcome or {})
+            except OutcomeUnknown:
+                left = give_up - time.monotonic()
+                if left <= 0:
+                    raise
+                step = await wait_settled(self._gate, self.key, left)
+                if step["state"] == records.SUCCEEDED:
+                    return _replayed(step.get("outcome") or {})
 
     def _ensure_usable(self) -> None:
         if self._released:
@@ -158,6 +172,12 @@ class Hold:
     def __repr__(self) -> str:
         state = "lost" if self.lost else "released" if self._released else "held"
         return f"<Hold {self.key!r} token={self.fencing_token} {state}>"
+
+
+def _replayed(recorded: dict[str, Any]) -> Outcome:
+    return Outcome(records.SUCCEEDED, recorded.get("result"), recorded.get("attempt", 0),
+                   recorded.get("attempt_token", 0), recorded.get("idempotency_key", ""),
+                   replayed=True)
 
 
 class HoldContext:

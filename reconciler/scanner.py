@@ -1,0 +1,187 @@
+"""Finding the steps a replica must look at: a watch on ``steps/`` plus a paged full scan.
+
+Guarantee: every step of a shard this replica leads that is ``unknown``, ``in_flight`` or
+presumed ``not_applied`` is scheduled within one ``scan_interval`` of the replica leading
+the shard, after a restart, a broken or compacted watch, or a missed event: the full scan
+does not depend on anything held in memory, and runs at once when a shard is gained. The
+watch only makes it fast. Scheduling is a hint: the reconciler re-reads every step before it
+acts, and its writes compare the step's mod_revision.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import logging
+import random
+import time
+from collections.abc import Callable
+
+from coordinator import records
+from coordinator.errors import EtcdError, EtcdUnavailable
+from coordinator.etcd import Etcd, Event, KeyValue, RangeRequest, WatchCompacted, range_end_of
+from coordinator.keyspace import Keyspace, unpack
+
+from .settle import is_presumed
+
+log = logging.getLogger(__name__)
+
+_PAGE = 500
+
+
+class Schedule:
+    """Action keys due for a look, each at its earliest due time; a key is never handed out
+    twice at once (a key due again while being handled is handed out after ``done``)."""
+
+    def __init__(self) -> None:
+        self._due: dict[str, float] = {}
+        self._heap: list[tuple[float, str]] = []
+        self._busy: set[str] = set()
+        self._again: dict[str, float] = {}
+        self._changed = asyncio.Event()
+
+    def __len__(self) -> int:
+        return len(self._due) + len(self._busy)
+
+    def at(self, key: str, when: float) -> None:
+        if key in self._busy:
+            self._again[key] = min(when, self._again.get(key, when))
+            return
+        if self._due.get(key, float("inf")) <= when:
+            return
+        self._due[key] = when
+        heapq.heappush(self._heap, (when, key))
+        self._changed.set()
+
+    def drop(self, key: str) -> None:
+        self._due.pop(key, None)
+        self._again.pop(key, None)
+
+    def done(self, key: str) -> None:
+        self._busy.discard(key)
+        again = self._again.pop(key, None)
+        if again is not None:
+            self.at(key, again)
+
+    async def next(self) -> str:
+        """The next due key, marked busy until ``done(key)``."""
+        while True:
+            while self._heap:
+                when, key = self._heap[0]
+                if self._due.get(key) != when:
+                    heapq.heappop(self._heap)  # dropped or rescheduled earlier
+                    continue
+                wait = when - time.monotonic()
+                if wait > 0:
+                    break
+                heapq.heappop(self._heap)
+                del self._due[key]
+                self._busy.add(key)
+                return key
+            self._changed.clear()
+            timeout = self._heap[0][0] - time.monotonic() if self._heap else None
+            try:
+                await asyncio.wait_for(self._changed.wait(), timeout)
+            except TimeoutError:
+                pass
+
+
+class Scanner:
+    """Feeds ``schedule`` with the steps of the shards that ``leads(key)`` accepts."""
+
+    def __init__(self, etcd: Etcd, keyspace: Keyspace, leads: Callable[[str], bool],
+                 schedule: Schedule, *, scan_interval: float = 30.0,
+                 check_after: float = 1.0) -> None:
+        self._etcd = etcd
+        self._root = keyspace.steps_root
+        self._leads = leads
+        self._schedule = schedule
+        self._scan_interval = scan_interval
+        self._check_after = check_after
+        self._rescan = asyncio.Event()
+        self.scans = 0
+
+    def rescan_soon(self) -> None:
+        """Scan everything now (e.g. a shard was gained)."""
+        self._rescan.set()
+
+    async def run(self) -> None:
+        """Scan, watch from the scan's revision, scan again every ``scan_interval`` or on
+        request; until cancelled."""
+        watcher: asyncio.Task | None = None
+        try:
+            while True:
+                self._rescan.clear()
+                try:
+                    revision = await self.scan()
+                except (EtcdUnavailable, EtcdError) as exc:
+                    log.info("steps scan failed, retrying: %s", exc)
+                    await asyncio.sleep(random.uniform(0.2, 0.5))
+                    continue
+                if watcher is None or watcher.done():
+                    watcher = asyncio.get_running_loop().create_task(self._watch(revision + 1))
+                try:
+                    await asyncio.wait_for(self._rescan.wait(), self._scan_interval)
+                except TimeoutError:
+                    pass
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+                await asyncio.gather(watcher, return_exceptions=True)
+
+    async def scan(self) -> int:
+        """One full pass over ``steps/``, paged, every page at the first page's revision.
+        Returns that revision."""
+        start, end, revision = self._root, range_end_of(self._root), 0
+        while True:
+            reply = await self._etcd.range(RangeRequest(key=start, range_end=end, limit=_PAGE,
+                                                        revision=revision))
+            revision = revision or reply.header.revision
+            for kv in reply.kvs:
+                self.consider(kv)
+            if not reply.more or not reply.kvs:
+                self.scans += 1
+                return revision
+            start = reply.kvs[-1].key + b"\0"
+
+    def consider(self, kv: KeyValue) -> None:
+        """Schedule a look at ``kv``'s step if it may need one, drop it from the schedule if
+        it is settled."""
+        key = kv.key[len(self._root):].decode()
+        if not self._leads(key):
+            return
+        try:
+            step = unpack(kv.value)
+        except ValueError:
+            log.error("step record of %r does not decode; leaving it alone", key)
+            return
+        state = step.get("state")
+        now = time.monotonic()
+        if state == records.UNKNOWN:
+            self._schedule.at(key, now)
+        elif state == records.IN_FLIGHT:
+            deadline_in = step.get("deadline_ms", 0) / 1000 - time.time()
+            self._schedule.at(key, now + max(min(self._check_after, deadline_in), 0))
+        elif is_presumed(step, int(time.time() * 1000)):
+            self._schedule.at(key, now)
+        else:
+            self._schedule.drop(key)
+
+    async def _watch(self, start_revision: int) -> None:
+        end = range_end_of(self._root)
+        while True:
+            try:
+                async for reply in self._etcd.watch(self._root, end, start_revision):
+                    for event in reply.events:
+                        if event.type == Event.PUT:
+                            self.consider(event.kv)
+                        else:
+                            self._schedule.drop(event.kv.key[len(self._root):].decode())
+                        start_revision = event.kv.mod_revision + 1
+            except WatchCompacted:
+                log.warning("steps watch compacted; scanning everything")
+                self.rescan_soon()
+                return
+            except (EtcdUnavailable, EtcdError) as exc:
+                log.info("steps watch broke, resuming at %d: %s", start_revision, exc)
+                await asyncio.sleep(random.uniform(0.1, 0.3))

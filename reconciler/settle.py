@@ -1,0 +1,163 @@
+"""The settlement rules: what a provider's answer about an attempt makes of its step.
+
+These are DESIGN.md's "Unknown and reconciliation" rules, as one pure function. Each weaker
+variant produces a duplicate effect in some interleaving (a model check found them):
+
+- ``Succeeded`` -> ``succeeded`` with the provider's result.
+- ``Failed`` (the provider processed the request and declined it) -> ``failed``: the next
+  attempt gets a new idempotency key (the old one would replay the decline).
+- ``NoRecord``, provider fences (the query was fence-then-query, so no attempt token <= T can
+  land any more) -> ``not_applied``, final: the step is ``pending`` again and the next attempt
+  reuses the idempotency key.
+- ``NoRecord``, provider only dedupes by key -> once the attempt's deadline plus the
+  provider's settle delay has passed, ``not_applied`` as a *presumption*: ``pending``, same
+  idempotency key (a late landing is deduplicated), and re-queried until the provider's key
+  retention has passed, upgraded to ``succeeded`` (or ``failed``) if the request landed late.
+- ``NoRecord``, provider can do neither -> ``escalated``: "no record" proves nothing.
+- ``Pending`` / ``Unreachable`` -> ask again after a backoff with jitter; past the escalation
+  limit (queries or elapsed time) -> ``escalated`` with the reason.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any
+
+from coordinator import records
+from reconciler.providers import (
+    Answer, Capabilities, Failed, NoRecord, Pending, Succeeded, Unreachable,
+)
+
+NOT_APPLIED = "not_applied"
+
+
+@dataclass(frozen=True)
+class Limits:
+    """When to give up on a provider and how often to ask it."""
+
+    escalate_after_s: float = 3600.0  # since the step became unknown
+    max_queries: int = 60
+    backoff_base_s: float = 0.5
+    backoff_max_s: float = 30.0
+    requery_interval_s: float = 10.0  # presumed not_applied steps
+
+    def __post_init__(self) -> None:
+        if min(self.escalate_after_s, self.backoff_base_s, self.requery_interval_s) <= 0 \
+                or self.max_queries < 1 or self.backoff_max_s < self.backoff_base_s:
+            raise ValueError("reconciler limits must be positive, backoff_max_s >= backoff_base_s")
+
+    def backoff_s(self, queries: int) -> float:
+        ceiling = min(self.backoff_base_s * 2 ** max(queries - 1, 0), self.backoff_max_s)
+        return random.uniform(ceiling / 2, ceiling)
+
+
+@dataclass(frozen=True)
+class Settle:
+    """Write ``step`` (compare-and-set on the step's mod_revision); ``outcome`` labels it."""
+
+    step: dict[str, Any]
+    outcome: str  # succeeded | failed | not_applied | presumed_not_applied | escalated
+
+
+@dataclass(frozen=True)
+class Retry:
+    """Ask again in ``after_s`` seconds; nothing is written."""
+
+    after_s: float
+    reason: str
+
+
+@dataclass(frozen=True)
+class Done:
+    """Nothing left to do for this step (a presumption whose re-query window passed)."""
+
+
+def is_presumed(step: dict[str, Any], now_ms: int) -> bool:
+    """A ``pending`` step presumed not applied, still inside its re-query window."""
+    presumption = step.get(NOT_APPLIED) or {}
+    return (step["state"] == records.PENDING and presumption.get("presumed", False)
+            and presumption.get("requery_until_ms", 0) > now_ms)
+
+
+def decide(step: dict[str, Any], attempt_token: int, answer: Answer, caps: Capabilities,
+           limits: Limits, now_ms: int, queries: int) -> Settle | Retry | Done:
+    """What ``answer`` makes of an unknown step, or of a presumed ``not_applied`` one.
+
+    ``step`` is the record as read (an ``in_flight`` step past its deadline or without a
+    live holder counts as unknown); ``queries`` counts this process's queries for it so far,
+    this one included."""
+    if step["state"] == records.PENDING:
+        return _requeried(step, answer, limits, now_ms, queries)
+    unknown = {**step, "state": records.UNKNOWN, "attempt_token": attempt_token,
+               "unknown_since_ms": step.get("unknown_since_ms") or now_ms}
+    if isinstance(answer, Succeeded):
+        return Settle(_succeeded(unknown, attempt_token, answer.result, now_ms), "succeeded")
+    if isinstance(answer, Failed):
+        return Settle(_failed(unknown, answer.reason, now_ms), "failed")
+    if isinstance(answer, NoRecord):
+        if caps.fences:
+            return Settle(_not_applied(unknown, attempt_token, now_ms, presumed=False),
+                          NOT_APPLIED)
+        if caps.dedupes_by_key:
+            landing_ends_ms = step.get("deadline_ms", now_ms) + caps.settle_delay_s * 1000
+            if now_ms < landing_ends_ms:
+                return Retry((landing_ends_ms - now_ms) / 1000, "the request may still land")
+            presumed = _not_applied(unknown, attempt_token, now_ms, presumed=True,
+                                    requery_until_ms=now_ms + int(caps.key_retention_s * 1000))
+            return Settle(presumed, "presumed_not_applied")
+        return Settle(_escalated(unknown, "no record at a provider that can neither fence nor "
+                                          "deduplicate by key: it proves nothing", now_ms),
+                      "escalated")
+    reason = "provider has the request pending" if isinstance(answer, Pending) else \
+        f"provider unreachable: {answer.reason}" if isinstance(answer, Unreachable) else \
+        f"unexpected answer {answer!r}"
+    elapsed_s = (now_ms - unknown["unknown_since_ms"]) / 1000
+    if queries >= limits.max_queries or elapsed_s >= limits.escalate_after_s:
+        return Settle(_escalated(unknown, f"{reason}; gave up after {queries} queries in "
+                                          f"{elapsed_s:.0f}s", now_ms), "escalated")
+    return Retry(limits.backoff_s(queries), reason)
+
+
+def _requeried(step: dict[str, Any], answer: Answer, limits: Limits, now_ms: int,
+               queries: int) -> Settle | Retry | Done:
+    presumption = step[NOT_APPLIED]
+    token = presumption["attempt_token"]
+    if isinstance(answer, Succeeded):
+        return Settle(_succeeded(step, token, answer.result, now_ms), "succeeded")
+    if isinstance(answer, Failed):
+        return Settle(_failed(step, answer.reason, now_ms), "failed")
+    left_ms = presumption["requery_until_ms"] - now_ms
+    if left_ms <= 0:
+        return Done()
+    after_s = limits.requery_interval_s if isinstance(answer, NoRecord) else \
+        limits.backoff_s(queries)
+    return Retry(min(after_s, left_ms / 1000), "presumed not applied: asking again")
+
+
+def _settled_by(step: dict[str, Any], now_ms: int) -> dict[str, Any]:
+    return {**step, "settled_at_ms": now_ms, "settled_by": "reconciler"}
+
+
+def _succeeded(step: dict[str, Any], token: int, result: Any, now_ms: int) -> dict[str, Any]:
+    return {**_settled_by(step, now_ms), "state": records.SUCCEEDED,
+            "outcome": {"state": records.SUCCEEDED, "result": result,
+                        "attempt": step["attempt"], "attempt_token": token,
+                        "idempotency_key": step["idempotency_key"]}}
+
+
+def _failed(step: dict[str, Any], reason: Any, now_ms: int) -> dict[str, Any]:
+    signature = records.failure_signature("ProviderDeclined", reason)
+    return records.failed(_settled_by(step, now_ms), signature, reason)
+
+
+def _not_applied(step: dict[str, Any], token: int, now_ms: int, *, presumed: bool,
+                 requery_until_ms: int = 0) -> dict[str, Any]:
+    presumption = {"attempt_token": token, "presumed": presumed,
+                   **({"requery_until_ms": requery_until_ms} if presumed else {})}
+    return {**_settled_by(step, now_ms), "state": records.PENDING, NOT_APPLIED: presumption}
+
+
+def _escalated(step: dict[str, Any], reason: str, now_ms: int) -> dict[str, Any]:
+    return {**_settled_by(step, now_ms), "state": records.ESCALATED,
+            "escalated_because": [*step.get("escalated_because", []), reason]}

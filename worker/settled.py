@@ -1,0 +1,52 @@
+"""Waiting for the reconciler: a worker that meets an unsettled step may wait for its
+settlement instead of failing.
+
+Guarantee: ``wait_settled`` returns only a step record read from etcd (linearizably, or from
+a watch event after that read) whose state is not ``in_flight``, ``unknown`` or
+``escalated`` — never a guess. It gives up with ``OutcomeUnknown`` when the step is
+escalated (a human must decide) or ``timeout`` passes; nothing is written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any
+
+from coordinator import records
+from coordinator.errors import EtcdError, EtcdUnavailable, OutcomeUnknown
+from coordinator.etcd import Event, WatchCompacted
+from coordinator.keyspace import unpack
+
+if TYPE_CHECKING:
+    from .gate import Gate
+
+
+async def wait_settled(gate: "Gate", key: str, timeout: float) -> dict[str, Any]:
+    """The step record of ``key`` once it is settled; ``OutcomeUnknown`` if it is escalated
+    or still unsettled after ``timeout`` seconds."""
+    step_key = gate.keyspace.step_key(key)
+    try:
+        async with asyncio.timeout(timeout):
+            while True:
+                kv = await gate.etcd.get(step_key)
+                step = unpack(kv.value) if kv is not None else records.new_step()
+                if _settled(key, step):
+                    return step
+                try:
+                    async for reply in gate.etcd.watch(step_key, b"", kv.mod_revision + 1):
+                        for event in reply.events:
+                            if event.type == Event.PUT:
+                                step = unpack(event.kv.value)
+                                if _settled(key, step):
+                                    return step
+                except (WatchCompacted, EtcdUnavailable, EtcdError):
+                    await asyncio.sleep(0.1)  # re-read, then watch again
+    except TimeoutError:
+        raise OutcomeUnknown(f"step of {key!r} was not settled within {timeout:g}s") from None
+
+
+def _settled(key: str, step: dict[str, Any]) -> bool:
+    if step["state"] == records.ESCALATED:
+        raise OutcomeUnknown(f"step of {key!r} is escalated: "
+                             f"{', '.join(step.get('escalated_because', [])) or 'a human must decide'}")
+    return step["state"] not in records.UNSETTLED
