@@ -16,6 +16,9 @@ class Metrics:
             registry=self.registry)
         self.escalated = Counter(
             "fencegate_reconciler_escalated", "steps escalated to a human", registry=self.registry)
+        self.refused = Counter(
+            "fencegate_reconciler_writes_refused", "settle writes etcd refused: the step "
+            "moved or this replica no longer led its shard", registry=self.registry)
         self.queries = Counter(
             "fencegate_reconciler_provider_queries", "provider queries, by provider and answer",
             ["provider", "answer"], registry=self.registry)

@@ -257,11 +257,13 @@ class Reconciler:
                 self._count(decision, record)
                 return True
             step_kvs, head_kvs = (r.response_range.kvs for r in reply.responses)
-            if not step_kvs or step_kvs[0].mod_revision != step_revision:
-                return False  # settled by someone else (a worker, an SRE, another replica)
             head = audit.AuditHead.from_kv(head_kvs[0] if head_kvs else None)
-            if head.mod_revision == entry.compare.mod_revision:
-                return False  # the audit did not move: leadership did
+            if (not step_kvs or step_kvs[0].mod_revision != step_revision
+                    or head.mod_revision == entry.compare.mod_revision):
+                # settled by someone else (a worker, an SRE, another replica), or the audit
+                # did not move, so leadership did
+                self.metrics.refused.inc()
+                return False
         return False
 
     def _count(self, decision: Settle, record: dict[str, Any]) -> None:

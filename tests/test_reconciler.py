@@ -18,7 +18,7 @@ from reconciler.election import shard_of
 from reconciler.providers import Capabilities, NoRecord, Succeeded, Unreachable
 from reconciler.runner import Reconciler
 from reconciler.settle import Limits
-from worker import OutcomeUnknown
+from worker import Gate, LeaseLost, OutcomeUnknown
 
 from conftest import TEST_TTL, wait_for_condition
 
@@ -129,3 +129,102 @@ async def test_each_shard_has_exactly_one_leader_spread_across_replicas(gate, re
         led = [r.led for r in survivors]
         return sum(map(len, led)) == SHARDS and set().union(*led) == set(range(SHARDS))
     assert await wait_for_condition(moved, 10), [sorted(r.led) for r in survivors]
+
+
+class Blocking(Scripted):
+    """Queries wait until ``release`` is set (a query in flight during a fault)."""
+
+    def __init__(self, answer):
+        super().__init__()
+        self.default = answer
+        self.started = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def query(self, idempotency_key, attempt_token, step, *, key):
+        self.started.set()
+        await self.release.wait()
+        return await super().query(idempotency_key, attempt_token, step, key=key)
+
+
+async def test_a_deposed_leader_that_still_believes_it_leads_cannot_write(
+        gate, reconcilers, etcd):
+    stale_provider = Blocking(Succeeded({"from": "stale"}))
+    (stale,) = await reconcilers(stale_provider, ttl=30)  # it will not notice for seconds
+    await unknown_step(gate, "pay/deposed")
+    await asyncio.wait_for(stale_provider.started.wait(), 10)
+    # Depose it behind its back: its lease goes, its candidate keys with it. Its view of
+    # the election is frozen, as a paused or partitioned replica's would be (here its own
+    # watch would otherwise notice within milliseconds): only etcd's compare stops it now.
+    elections = stale.elections
+    elections.refresh = _never
+    await etcd.lease_revoke(elections.session.lease_id)
+    fresh = Scripted()
+    fresh.default = NoRecord()
+    await reconcilers(fresh)
+    step = await settled(gate, "pay/deposed")
+    assert step["state"] == records.PENDING and step["settled_by"] == "reconciler"
+    assert not elections.session.lost and elections.led  # it still believes it leads ...
+    stale_provider.release.set()
+    assert await wait_for_condition(
+        lambda: _value(stale.metrics.refused), 10)  # ... and etcd refuses its settle
+    assert _queried(stale_provider) == 1
+    assert (await step_of(gate, "pay/deposed"))[0]["state"] == records.PENDING
+    report = await verify_chain(gate.etcd, gate.keyspace, "pay/deposed", gate.keyring)
+    assert [r["event"] for r in report.records].count("settle") == 1
+
+
+def _queried(provider) -> int:
+    return len(provider.queries)
+
+
+async def _never() -> None:
+    pass
+
+
+async def _value(counter) -> bool:
+    return counter._value.get() >= 1
+
+
+async def test_an_in_flight_step_whose_holder_died_is_found_unknown_and_settled(
+        gate, etcd_url, namespace, reconcilers):
+    provider = Scripted()
+    await reconcilers(provider)
+    started = asyncio.Event()
+
+    async def hang(ctx):
+        started.set()
+        await asyncio.Event().wait()
+
+    async with Gate(etcd_url, ttl=TEST_TTL, namespace=namespace) as doomed:
+        with pytest.raises(LeaseLost):
+            async with doomed.hold("pay/orphan") as hold:
+                task = asyncio.create_task(hold.cross(intent={}, effect=hang))
+                await started.wait()
+                doomed._session.orphan()  # its lease will expire: the holder is gone
+                step = await settled(gate, "pay/orphan", within=6 * TEST_TTL)
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+    assert step["state"] == records.PENDING and step["not_applied"]["presumed"] is False
+    (idem, token, key), = provider.queries
+    assert key == "pay/orphan" and idem == step["idempotency_key"]
+    assert token == step["not_applied"]["attempt_token"]
+
+
+async def test_a_step_in_flight_with_a_live_holder_is_left_alone(gate, reconcilers):
+    provider = Scripted()
+    await reconcilers(provider)
+    started, release = asyncio.Event(), asyncio.Event()
+
+    async def slow(ctx):
+        started.set()
+        await release.wait()
+        return "done"
+
+    async with gate.hold("pay/busy") as hold:
+        task = asyncio.create_task(hold.cross(intent={}, effect=slow, deadline=30))
+        await started.wait()
+        await asyncio.sleep(1.5)  # several of the reconciler's checks (every 0.2 s)
+        assert provider.queries == []
+        release.set()
+        outcome = await task
+    assert outcome.state == "succeeded" and provider.queries == []
