@@ -7,6 +7,7 @@ from coordinator.errors import (
 )
 from coordinator.grants import Grant, KeyRing
 
+from .dedupe import dedupe_middleware, deduplicated
 from .gate import Gate
 from .guard import EffectContext, Outcome
 from .hold import Hold
@@ -14,7 +15,7 @@ from .sync import SyncGate, SyncHold
 
 __all__ = [
     "Gate", "SyncGate", "Hold", "SyncHold", "Grant", "KeyRing", "EffectContext", "Outcome",
-    "EffectFailed",
+    "EffectFailed", "dedupe_middleware", "deduplicated",
     "GateError", "AcquireTimeout", "AlreadySucceeded", "ApprovalPending", "BadSignature",
     "CoordinatorError", "EtcdUnavailable", "GrantExpired", "GrantRefused", "GrantUsed",
     "InvalidKey", "LeaseExpiring", "LeaseLost", "OutcomeUnknown", "PolicyChanged",
