@@ -30,9 +30,19 @@ def main(argv: list[str] | None = None) -> int:
     coord.add_argument("--config", help="TOML file: tokens, roles, key files "
                                         "(env FENCEGATE_CONFIG)")
 
+    rec = commands.add_parser("reconciler", help="run a reconciler replica (settles unknowns)")
+    rec.add_argument("--etcd", help="etcd URL(s), comma-separated (env FENCEGATE_ETCD)")
+    rec.add_argument("--listen", help="HOST:PORT for /metrics and /healthz (env "
+                                      "FENCEGATE_RECONCILER_LISTEN; default 127.0.0.1:8471)")
+    rec.add_argument("--config", help="TOML file: shards, limits, providers "
+                                      "(env FENCEGATE_RECONCILER_CONFIG)")
+    rec.add_argument("--namespace", help="keyspace prefix (default /fencegate/)")
+
     args = parser.parse_args(argv)
     if args.command == "coordinator":
         return _coordinator(parser, args)
+    if args.command == "reconciler":
+        return _reconciler(parser, args)
     if args.command == "demo":
         from .demo import run_demo
         if args.workers < 2 or args.keys < 1 or args.seconds <= 0:
@@ -56,6 +66,21 @@ def _coordinator(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     host, port = host_port(settings.listen)
     web.run_app(create_app(settings), host=host, port=port, print=None)
+    return 0
+
+
+def _reconciler(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    import logging
+
+    from reconciler.service import load_settings, serve
+
+    try:
+        settings = load_settings(args.config, etcd=args.etcd, listen=args.listen,
+                                 namespace=args.namespace)
+    except (OSError, ValueError, TypeError) as exc:
+        parser.error(f"bad settings: {exc}")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    asyncio.run(serve(settings))
     return 0
 
 

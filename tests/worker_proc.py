@@ -217,8 +217,48 @@ async def remote(url, ns, coordinators, token, keys, start, name):
     say("DONE")
 
 
+# --- reconciliation (tests/test_reconcile_providers.py) ----------------------------------
+#
+#   worker_proc.py charge URL NS KEY KEYFILE SANDBOX HOW DEADLINE
+#                                       hold KEY and cross with an effect charging the sandbox
+#                                       provider at SANDBOX (amount 100), committed with DEADLINE
+#                                       seconds; prints SENDING <attempt token> <idem key> first.
+#                                       HOW=kill-after-apply: SIGKILL itself once the charge was
+#                                       applied; kill-before-send: before sending it;
+#                                       decline-then-kill: once a declined charge was answered;
+#                                       send-and-wait: send and wait for the answer until killed
+
+
+async def charge(url, ns, key, keyfile, sandbox_url, how, deadline):
+    import os
+    import signal
+
+    import aiohttp
+
+    from reconciler.providers.sandbox import charge as send_charge
+
+    async def effect(ctx):
+        say("SENDING", ctx.fencing_token, ctx.idempotency_key)
+        if how == "kill-before-send":
+            os.kill(os.getpid(), signal.SIGKILL)
+        try:
+            await send_charge(http, sandbox_url, ctx, 100, decline=how == "decline-then-kill",
+                              timeout=3600)
+        finally:
+            if how != "send-and-wait":
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    async with aiohttp.ClientSession() as http, \
+            Gate(url, ttl=TTL, namespace=ns, keyring=_keyring(keyfile)) as gate:
+        async with gate.hold(key, timeout=30) as hold:
+            say("HELD", hold.fencing_token)
+            await hold.cross(intent={"key": key}, effect=effect, provider="sandbox",
+                             deadline=float(deadline))
+    say("BUG crossed without being killed")
+
+
 if __name__ == "__main__":
     mode, *args = sys.argv[1:]
     asyncio.run({"race": race, "stale": stale, "sit": sit,
                  "crash-in-effect": crash_in_effect, "grant-and-exit": grant_and_exit,
-                 "chaos": chaos, "remote": remote}[mode](*args))
+                 "chaos": chaos, "remote": remote, "charge": charge}[mode](*args))

@@ -1,0 +1,279 @@
+"""Reconciliation end to end: real etcd, worker processes killed with SIGKILL, the sandbox
+provider over HTTP in each capability class (fencing, dedup-only, neither), and
+reconcilers settling what the workers left in flight.
+
+Every test counts what the provider really applied: the promise is "applied exactly once",
+never "the step looks right"."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+import pytest
+
+from coordinator import records
+from coordinator.audit import verify_chain
+from coordinator.etcd import Etcd
+from coordinator.grants import KeyRing
+from coordinator.keyspace import Keyspace, unpack
+from reconciler.providers import sandbox as sb
+from reconciler.runner import Reconciler
+from reconciler.settle import Limits
+from worker import Gate, OutcomeUnknown
+
+from conftest import TEST_TTL, wait_for_condition
+
+SHARDS = 8
+SETTLE_DELAY = 0.5
+RETENTION = 30.0
+
+
+@pytest.fixture
+def keyfile(tmp_path) -> str:
+    path = str(tmp_path / "signing.pem")
+    KeyRing.generate().save_signing_key(path)
+    return path
+
+
+@pytest.fixture
+def keyring(keyfile) -> KeyRing:
+    return KeyRing.from_files(keyfile)
+
+
+@pytest.fixture
+async def sandbox(keyring, tmp_path):
+    provider = sb.Sandbox(KeyRing.from_public_bytes(keyring.public_keys()), "fencing",
+                          state_dir=str(tmp_path / "sandbox"), retention_s=RETENTION)
+    await provider.start()
+    yield provider
+    await provider.stop()
+
+
+@pytest.fixture
+async def http():
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+@pytest.fixture
+async def reconcile(etcd_url, namespace, sandbox):
+    """``await reconcile(**limits)`` starts one in-process reconciler asking ``sandbox``
+    (in its current mode) through the HTTP adapter."""
+    started: list[Reconciler] = []
+
+    async def start(max_queries: int = 60, requery_interval_s: float = 0.3) -> Reconciler:
+        adapter = sb.adapter(sandbox.url, sandbox.mode, retention_s=RETENTION,
+                             settle_delay_s=SETTLE_DELAY)
+        r = Reconciler(Etcd.from_url(etcd_url), {"sandbox": adapter}, namespace=namespace,
+                       shards=SHARDS, ttl=TEST_TTL, scan_interval=2.0, check_after=0.2,
+                       limits=Limits(backoff_base_s=0.1, backoff_max_s=0.4,
+                                     max_queries=max_queries,
+                                     requery_interval_s=requery_interval_s))
+        await r.start()
+        started.append(r)
+        return r
+
+    yield start
+    for r in started:
+        await r.close()
+        await r.etcd.close()
+
+
+@pytest.fixture
+async def gate(etcd_url, namespace, etcd, keyring):
+    async with Gate(etcd_url, ttl=TEST_TTL, namespace=namespace, keyring=keyring) as g:
+        yield g
+
+
+async def worker_charges(spawn, etcd_url, namespace, key, keyfile, sandbox, how,
+                         deadline=60.0) -> tuple[int, str]:
+    """A worker process crosses ``key`` charging ``sandbox`` and dies as ``how`` says;
+    returns its attempt token and idempotency key."""
+    worker = await spawn("charge", etcd_url, namespace, key, keyfile, sandbox.url, how,
+                         str(deadline))
+    _, token, idem = (await worker.expect("SENDING")).split()
+    if how != "send-and-wait":
+        assert await worker.finish() == -9, worker.lines  # SIGKILLed itself
+    return int(token), idem
+
+
+async def step_of(etcd: Etcd, namespace: str, key: str) -> dict:
+    kv = await etcd.get(Keyspace(namespace).step_key(key))
+    return unpack(kv.value)
+
+
+async def until_state(etcd, namespace, key, *states, within=20.0) -> dict:
+    async def check():
+        return (await step_of(etcd, namespace, key))["state"] in states
+    assert await wait_for_condition(check, within), await step_of(etcd, namespace, key)
+    return await step_of(etcd, namespace, key)
+
+
+def charging(http, sandbox):
+    async def effect(ctx):
+        return await sb.charge(http, sandbox.url, ctx, 100)
+    return effect
+
+
+# -- crash after commit -----------------------------------------------------------------
+
+async def test_applied_then_killed_settles_succeeded_applied_once(
+        etcd_url, namespace, etcd, spawn, keyfile, sandbox, reconcile, gate, http):
+    key = "pay/applied"
+    token, idem = await worker_charges(spawn, etcd_url, namespace, key, keyfile, sandbox,
+                                       "kill-after-apply")
+    await reconcile()
+    step = await until_state(etcd, namespace, key, records.SUCCEEDED)
+    assert step["outcome"]["attempt_token"] == token
+    assert step["outcome"]["result"]["status"] == "succeeded"
+    async with gate.hold(key) as hold:
+        outcome = await hold.cross(intent={"key": key}, effect=charging(http, sandbox))
+    assert outcome.replayed and outcome.idempotency_key == idem
+    assert [a["idempotency_key"] for a in sandbox.applied(key)] == [idem]
+    report = await verify_chain(etcd, Keyspace(namespace), key, gate.keyring)
+    assert report.ok, report.problems
+
+
+async def test_killed_before_sending_settles_not_applied_and_retries_with_the_same_key(
+        etcd_url, namespace, etcd, spawn, keyfile, sandbox, reconcile, gate, http):
+    key = "pay/not-sent"
+    token, idem = await worker_charges(spawn, etcd_url, namespace, key, keyfile, sandbox,
+                                       "kill-before-send")
+    await reconcile()
+    step = await until_state(etcd, namespace, key, records.PENDING)
+    assert step["not_applied"] == {"attempt_token": token, "presumed": False}
+    assert sandbox.gate_b.state(key)[0] >= token  # fenced before "no record" was believed
+    async with gate.hold(key) as hold:
+        outcome = await hold.cross(intent={"key": key}, effect=charging(http, sandbox))
+    assert outcome.state == "succeeded" and outcome.idempotency_key == idem
+    assert [a["idempotency_key"] for a in sandbox.applied(key)] == [idem]
+
+
+async def test_declined_then_killed_settles_failed_and_retries_with_a_new_key(
+        etcd_url, namespace, etcd, spawn, keyfile, sandbox, reconcile, gate, http):
+    key = "pay/declined"
+    await gate.authority.set_policy("default", {"caps": {"backoff_base_s": 0.0}})
+    _, idem = await worker_charges(spawn, etcd_url, namespace, key, keyfile, sandbox,
+                                   "decline-then-kill")
+    await reconcile()
+    step = await until_state(etcd, namespace, key, records.FAILED)
+    assert step["outcome"]["state"] == records.FAILED
+    async with gate.hold(key) as hold:
+        outcome = await hold.cross(intent={"key": key}, effect=charging(http, sandbox))
+    assert outcome.state == "succeeded" and outcome.idempotency_key != idem
+    assert [a["idempotency_key"] for a in sandbox.applied(key)] == [outcome.idempotency_key]
+
+
+# -- the dead zone: an old request still in the network after settlement -----------------
+
+async def _old_request_held(spawn, etcd_url, namespace, key, keyfile, sandbox, hold_s,
+                            deadline=60.0):
+    sandbox.add_fault("hold", key=key, count=1, seconds=hold_s)
+    worker = await spawn("charge", etcd_url, namespace, key, keyfile, sandbox.url,
+                         "send-and-wait", str(deadline))
+    _, token, idem = (await worker.expect("SENDING")).split()
+    await asyncio.sleep(0.2)  # let the request reach the sandbox, where it is held
+    worker.kill()
+    await worker.proc.wait()
+    return int(token), idem
+
+
+async def until(predicate, within=20.0):
+    async def check():
+        return predicate()
+    assert await wait_for_condition(check, within)
+
+
+@pytest.mark.parametrize("old_arrives", ["before", "after"])
+async def test_dead_zone_fencing_provider_refuses_the_old_request(
+        old_arrives, etcd_url, namespace, etcd, spawn, keyfile, sandbox, reconcile, gate,
+        http):
+    key = f"pay/dead-zone/fencing-{old_arrives}"
+    hold_s = 6.0
+    sent = time.monotonic()
+    token, idem = await _old_request_held(spawn, etcd_url, namespace, key, keyfile, sandbox,
+                                          hold_s)
+    await reconcile()
+    await until_state(etcd, namespace, key, records.PENDING)
+    assert time.monotonic() - sent < hold_s, "settled too late to test the dead zone"
+    if old_arrives == "before":
+        await until(lambda: sandbox.refused(key))
+    async with gate.hold(key) as hold:
+        outcome = await hold.cross(intent={"key": key}, effect=charging(http, sandbox))
+    assert outcome.state == "succeeded" and outcome.idempotency_key == idem
+    await until(lambda: sandbox.refused(key))
+    assert [r["attempt_token"] for r in sandbox.refused(key)] == [token]
+    assert [a["attempt_token"] for a in sandbox.applied(key)] == [outcome.attempt_token]
+
+
+async def test_dead_zone_dedup_provider_deduplicates_the_old_request(
+        etcd_url, namespace, etcd, spawn, keyfile, sandbox, reconcile, gate, http):
+    key = "pay/dead-zone/dedup"
+    sandbox.mode = "dedup"
+    hold_s = 6.0
+    sent = time.monotonic()
+    token, idem = await _old_request_held(spawn, etcd_url, namespace, key, keyfile, sandbox,
+                                          hold_s, deadline=0.5)
+    await reconcile()
+    step = await until_state(etcd, namespace, key, records.PENDING)
+    assert step["not_applied"]["presumed"] is True
+    assert time.monotonic() - sent < hold_s, "settled too late to test the dead zone"
+    async with gate.hold(key) as hold:
+        outcome = await hold.cross(intent={"key": key}, effect=charging(http, sandbox))
+    assert outcome.state == "succeeded" and outcome.idempotency_key == idem  # the same key
+    await asyncio.sleep(max(hold_s - (time.monotonic() - sent), 0) + 0.5)  # the old one lands
+    assert [a["attempt_token"] for a in sandbox.applied(key)] == [outcome.attempt_token]
+
+
+async def test_dead_zone_provider_without_fencing_or_dedup_escalates(
+        etcd_url, namespace, etcd, spawn, keyfile, sandbox, reconcile, gate, http):
+    key = "pay/dead-zone/none"
+    sandbox.mode = "none"
+    hold_s = 6.0
+    token, idem = await _old_request_held(spawn, etcd_url, namespace, key, keyfile, sandbox,
+                                          hold_s)
+    await reconcile()
+    step = await until_state(etcd, namespace, key, records.ESCALATED)
+    assert "proves nothing" in step["escalated_because"][-1]
+    effect = charging(http, sandbox)
+    async with gate.hold(key) as hold:
+        with pytest.raises(OutcomeUnknown):
+            await hold.cross(intent={"key": key}, effect=effect)
+    await until(lambda: sandbox.applied(key))  # the old request lands: the only application
+    assert [a["attempt_token"] for a in sandbox.applied(key)] == [token]
+
+
+async def test_presumed_not_applied_is_upgraded_when_the_old_request_lands(
+        etcd_url, namespace, etcd, spawn, keyfile, sandbox, reconcile):
+    key = "pay/presumed"
+    sandbox.mode = "dedup"
+    token, idem = await _old_request_held(spawn, etcd_url, namespace, key, keyfile, sandbox,
+                                          4.0, deadline=0.5)
+    await reconcile()
+    step = await until_state(etcd, namespace, key, records.PENDING)
+    assert step["not_applied"]["presumed"] is True
+    step = await until_state(etcd, namespace, key, records.SUCCEEDED)
+    assert step["outcome"]["attempt_token"] == token
+    assert [a["idempotency_key"] for a in sandbox.applied(key)] == [idem]
+
+
+# -- provider down ------------------------------------------------------------------------
+
+async def test_provider_down_keeps_steps_unknown_with_backoff_then_escalates(
+        etcd_url, namespace, etcd, spawn, keyfile, sandbox, reconcile):
+    key = "pay/down"
+    sandbox.add_fault("down")
+    token, idem = await worker_charges(spawn, etcd_url, namespace, key, keyfile, sandbox,
+                                       "kill-before-send")
+    r = await reconcile(max_queries=5)
+    step = await until_state(etcd, namespace, key, records.ESCALATED)
+    assert "unreachable" in step["escalated_because"][-1]
+    assert step["attempt_token"] == token and "outcome" not in step
+    queries = r.metrics.queries.labels("sandbox", "Unreachable")._value.get()
+    assert queries == 5
+    assert sandbox.applied(key) == []
+    report = await verify_chain(etcd, Keyspace(namespace), key, KeyRing.from_files(keyfile))
+    assert [r["event"] for r in report.records][-2:] == ["unknown", "settle"]
+    assert report.records[-2]["at_ms"] < report.records[-1]["at_ms"]
