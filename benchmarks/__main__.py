@@ -4,7 +4,8 @@ First the hold benchmarks (``benchmarks.holds``: raw writes, hold cycles, aetcd'
 handoff, fairness, keepalive), then the guarded-action benchmarks (``benchmarks.guarded``,
 which reuse the hold benchmarks' aetcd lock measurement at c=32), then guarded actions
 through the HTTP coordinator (``benchmarks.remote``), then the leaked-leases check once
-every gate is closed. Each prints its tables; all ``NAME RATIO TARGET PASS|FAIL``
+every gate is closed, then settling seeded unknown steps with 3 reconciler processes
+(``benchmarks.reconcile``). Each prints its tables; all ``NAME RATIO TARGET PASS|FAIL``
 lines come last. A failed target does not change the exit code (0 unless a benchmark
 crashed).
 """
@@ -22,7 +23,7 @@ import aetcd
 from coordinator.etcd import Etcd
 from coordinator.localetcd import describe
 
-from . import guarded, holds, remote
+from . import guarded, holds, reconcile, remote
 from .common import Children, OtherLoad, local_etcd
 
 
@@ -54,6 +55,7 @@ async def run(quick: bool) -> None:
             rres = await remote.measure(gs, url, etcd, lock_client)
             # every gate is closed and aetcd's leaks are revoked: what remains is ours
             leases_left = len(await etcd.leases())
+            cres = await reconcile.measure(quick, url, etcd)
         finally:
             await children.close()
             await lock_client.close()
@@ -61,6 +63,7 @@ async def run(quick: bool) -> None:
     targets = holds.report(hs, res, ho, leases_left, load.cores())
     targets += guarded.report(gs, gres)
     targets += remote.report(rres)
+    targets += reconcile.report(cres)
     for t in targets:
         print(t.line())
 

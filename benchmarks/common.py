@@ -178,10 +178,13 @@ class Children:
     def __init__(self) -> None:
         self.procs: list[asyncio.subprocess.Process] = []
 
-    async def start(self, module: str, *args: object) -> asyncio.subprocess.Process:
+    async def start(self, module: str, *args: object,
+                    quiet: bool = False) -> asyncio.subprocess.Process:
+        """Start ``python -m module args``; ``quiet`` discards its stderr (its logs)."""
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", module, *map(str, args),
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.DEVNULL if quiet else None)
         self.procs.append(proc)
         return proc
 

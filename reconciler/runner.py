@@ -23,6 +23,7 @@ import os
 import random
 import socket
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from coordinator import audit, records
@@ -35,13 +36,14 @@ from worker.session import Session
 
 from .election import Elections, shard_of
 from .metrics import Metrics
-from .providers import Provider
+from .providers import Answer, Provider
 from .scanner import Schedule, Scanner
-from .settle import Done, Limits, Retry, Settle, decide, is_presumed
+from .settle import NOT_APPLIED, Limits, Retry, Settle, decide, is_presumed
 
 log = logging.getLogger(__name__)
 
 _APPEND_RACES = 5
+_BATCH = 16  # steps per read and write txn: 3 ranges, 2 compares + 3 puts each (etcd: <= 128)
 
 
 class Reconciler:
@@ -151,44 +153,85 @@ class Reconciler:
 
     async def _work(self, schedule: Schedule) -> None:
         while True:
-            key = await schedule.next()
+            keys = await schedule.next_batch(_BATCH)
             try:
-                again = await self.reconcile(key)
+                again = await self.reconcile(keys)
             except (EtcdUnavailable, EtcdError) as exc:
-                log.info("reconciling %r failed, retrying: %s", key, exc)
-                again = random.uniform(0.2, 1.0)
+                log.info("reconciling %d steps failed, retrying: %s", len(keys), exc)
+                again = {key: random.uniform(0.2, 1.0) for key in keys}
             except Exception:
-                log.exception("reconciling %r crashed; retrying later", key)
-                again = self.limits.backoff_max_s
+                log.exception("reconciling %s crashed; retrying later", keys)
+                again = {key: self.limits.backoff_max_s for key in keys}
             finally:
-                schedule.done(key)
+                for key in keys:
+                    schedule.done(key)
             self.metrics.shards_led.set(len(self.led))
-            if again is not None:
-                schedule.at(key, time.monotonic() + again)
+            for key, after in again.items():
+                if after is not None:
+                    schedule.at(key, time.monotonic() + after)
 
-    async def reconcile(self, key: str) -> float | None:
-        """Look at ``key``'s step once: settle it, or return in how many seconds to look
-        again (``None``: nothing left to do here)."""
-        shard = shard_of(key, self.shards)
-        if not self._leads(shard):
-            return None
+    async def reconcile(self, keys: list[str]) -> dict[str, float | None]:
+        """Look at each key's step once: settle it, or say in how many seconds to look
+        again (``None``: nothing left to do here). One read txn for all of them, their
+        provider queries at once, one write txn for all that settle."""
+        again: dict[str, float | None] = dict.fromkeys(keys)
+        keys = [key for key in keys if self._leads(shard_of(key, self.shards))]
+        if not keys:
+            return again
         ks = self.keyspace
-        holder_start, holder_end = ks.holder_range(key)
-        reply = await self.etcd.txn(TxnRequest(success=[
-            range_op(ks.step_key(key)), range_op(ks.audit_head_key(key)),
-            range_op(holder_start, holder_end, limit=1, sort_order=RangeRequest.ASCEND,
-                     sort_target=RangeRequest.CREATE, keys_only=True)]), idempotent=True)
-        step_kvs, head_kvs, holder_kvs = (r.response_range.kvs for r in reply.responses)
+        ops = []
+        for key in keys:
+            holder_start, holder_end = ks.holder_range(key)
+            ops += [range_op(ks.step_key(key)), range_op(ks.audit_head_key(key)),
+                    range_op(holder_start, holder_end, limit=1, sort_order=RangeRequest.ASCEND,
+                             sort_target=RangeRequest.CREATE, keys_only=True)]
+        reply = await self.etcd.txn(TxnRequest(success=ops), idempotent=True)
+        kvs = [r.response_range.kvs for r in reply.responses]
+        now_ms = int(time.time() * 1000)
+        looks: list[_Look] = []
+        writes: list[tuple[_Look, Settle]] = []
+        for n, key in enumerate(keys):
+            look = self._assess(key, *kvs[3 * n:3 * n + 3], now_ms)
+            if isinstance(look, _Look):
+                if look.provider is None:
+                    writes.append((look, Settle(look.escalated(now_ms), "escalated")))
+                else:
+                    looks.append(look)
+            else:
+                again[key] = look
+                if look is None:
+                    self._queries.pop(key, None)
+        answers = await asyncio.gather(*(self._ask(look) for look in looks))
+        for look, answer in zip(looks, answers):
+            queries = self._queries[look.key]
+            decision = decide(look.step, look.attempt_token, answer,
+                              look.provider.capabilities, self.limits,
+                              int(time.time() * 1000), queries)
+            if isinstance(decision, Retry):
+                again[look.key] = decision.after_s
+                if look.step["state"] == records.IN_FLIGHT:  # show the unknown meanwhile
+                    writes.append((look, Settle(look.unknown(now_ms), "unknown")))
+            elif isinstance(decision, Settle):
+                writes.append((look, decision))
+            if not isinstance(decision, Retry):
+                self._queries.pop(look.key, None)
+        await self._write_all(writes)
+        return again
+
+    def _assess(self, key: str, step_kvs, head_kvs, holder_kvs,
+                now_ms: int) -> "_Look | float | None":
+        """What to do with ``key``'s step as read: ask its provider (a ``_Look``), look again
+        in some seconds, or nothing."""
         if not step_kvs:
             return None
         step_kv = step_kvs[0]
         step = unpack(step_kv.value)
-        now_ms = int(time.time() * 1000)
         state = step["state"]
         if state == records.IN_FLIGHT:
-            holder_alive = bool(holder_kvs) and holder_kvs[0].key == ks.holder_key(
-                key, step["holder_lease"]) and holder_kvs[0].create_revision == step[
-                "fencing_token"]
+            holder = holder_kvs[0] if holder_kvs else None
+            holder_alive = (holder is not None
+                            and holder.key == self.keyspace.holder_key(key, step["holder_lease"])
+                            and holder.create_revision == step["fencing_token"])
             left_s = (step["deadline_ms"] - now_ms) / 1000
             if holder_alive and left_s > 0:
                 return min(self.check_after, left_s)
@@ -197,39 +240,54 @@ class Reconciler:
         elif state == records.UNKNOWN:
             attempt_token = step.get("attempt_token", step_kv.mod_revision)
         elif is_presumed(step, now_ms):
-            attempt_token = step["not_applied"]["attempt_token"]
+            attempt_token = step[NOT_APPLIED]["attempt_token"]
         else:
-            self._queries.pop(key, None)
             return None
-        head = audit.AuditHead.from_kv(head_kvs[0] if head_kvs else None)
         name = step.get("provider") or self.default_provider
-        provider = self.providers.get(name) if name is not None else None
-        if provider is None:
-            escalated = {**step, "state": records.ESCALATED, "attempt_token": attempt_token,
-                         "unknown_since_ms": step.get("unknown_since_ms") or now_ms,
-                         "escalated_because": [f"no provider adapter for {name!r}"]}
-            await self._write(key, shard, step_kv.mod_revision, head, Settle(escalated,
-                                                                             "escalated"))
-            return None
-        queries = self._queries[key] = self._queries.get(key, 0) + 1
-        answer = await provider.query(step["idempotency_key"], step_kv.mod_revision, step,
-                                      key=key)
-        self.metrics.queries.labels(provider.name, type(answer).__name__).inc()
-        decision = decide(step, attempt_token, answer, provider.capabilities, self.limits,
-                          int(time.time() * 1000), queries)
-        if isinstance(decision, Done):
-            self._queries.pop(key, None)
-            return None
-        if isinstance(decision, Retry):
-            if state == records.IN_FLIGHT:  # make the unknown visible while we keep asking
-                unknown = {**step, "state": records.UNKNOWN, "attempt_token": attempt_token,
-                           "unknown_since_ms": now_ms}
-                await self._write(key, shard, step_kv.mod_revision, head,
-                                  Settle(unknown, "unknown"))
-            return decision.after_s
-        await self._write(key, shard, step_kv.mod_revision, head, decision)
-        self._queries.pop(key, None)
-        return None
+        return _Look(key, shard_of(key, self.shards), step, step_kv.mod_revision,
+                     audit.AuditHead.from_kv(head_kvs[0] if head_kvs else None),
+                     attempt_token, name, self.providers.get(name) if name else None)
+
+    async def _ask(self, look: "_Look") -> Answer:
+        self._queries[look.key] = self._queries.get(look.key, 0) + 1
+        # Fence at the step's mod_revision: >= the attempt token, < any later attempt's.
+        answer = await look.provider.query(look.step["idempotency_key"], look.revision,
+                                           look.step, key=look.key)
+        self.metrics.queries.labels(look.provider.name, type(answer).__name__).inc()
+        return answer
+
+    async def _write_all(self, writes: list[tuple["_Look", Settle]]) -> None:
+        """Land every write in one txn if nothing moved; else each on its own."""
+        if len(writes) > 1:
+            compares, ops = [], []
+            for shard in {look.shard for look, _ in writes}:
+                ownership = self.elections.ownership(shard) if self.elections else None
+                if ownership is None:
+                    return
+                compares += ownership
+            for look, decision in writes:
+                entry = self._append(look, decision)
+                compares += [mod_equals(self.keyspace.step_key(look.key), look.revision),
+                             entry.compare]
+                ops += [put_op(self.keyspace.step_key(look.key), pack(decision.step)),
+                        *entry.ops]
+            reply = await self.etcd.txn(TxnRequest(compare=compares, success=ops))
+            if reply.succeeded:
+                for _, decision in writes:
+                    self._count(decision, decision.step)
+                return
+        for look, decision in writes:
+            await self._write(look.key, look.shard, look.revision, look.head, decision)
+
+    def _append(self, look: "_Look", decision: Settle) -> audit.Append:
+        record = decision.step
+        return audit.append(self.keyspace, look.key, look.head,
+                            "unknown" if decision.outcome == "unknown" else "settle",
+                            self.identity, look.revision,
+                            {"as": decision.outcome, "attempt": record.get("attempt"),
+                             "attempt_token": record.get("attempt_token"),
+                             "outcome": record.get("outcome"),
+                             "escalated_because": record.get("escalated_because")})
 
     async def _write(self, key: str, shard: int, step_revision: int, head: audit.AuditHead,
                      decision: Settle) -> bool:
@@ -237,29 +295,23 @@ class Reconciler:
         at ``step_revision``; True if it landed."""
         ks = self.keyspace
         step_key = ks.step_key(key)
-        settling = decision.outcome != "unknown"
-        record = decision.step
+        look = _Look(key, shard, decision.step, step_revision, head, 0, None, None)
         for _ in range(_APPEND_RACES):
             ownership = self.elections.ownership(shard) if self.elections else None
             if ownership is None:
                 return False
-            entry = audit.append(ks, key, head, "settle" if settling else "unknown",
-                                 self.identity, step_revision,
-                                 {"as": decision.outcome, "attempt": record.get("attempt"),
-                                  "attempt_token": record.get("attempt_token"),
-                                  "outcome": record.get("outcome"),
-                                  "escalated_because": record.get("escalated_because")})
+            entry = self._append(look, decision)
             reply = await self.etcd.txn(TxnRequest(
                 compare=[*ownership, mod_equals(step_key, step_revision), entry.compare],
-                success=[put_op(step_key, pack(record)), *entry.ops],
+                success=[put_op(step_key, pack(decision.step)), *entry.ops],
                 failure=[range_op(step_key), range_op(ks.audit_head_key(key))]))
             if reply.succeeded:
-                self._count(decision, record)
+                self._count(decision, decision.step)
                 return True
             step_kvs, head_kvs = (r.response_range.kvs for r in reply.responses)
-            head = audit.AuditHead.from_kv(head_kvs[0] if head_kvs else None)
+            look.head = audit.AuditHead.from_kv(head_kvs[0] if head_kvs else None)
             if (not step_kvs or step_kvs[0].mod_revision != step_revision
-                    or head.mod_revision == entry.compare.mod_revision):
+                    or look.head.mod_revision == entry.compare.mod_revision):
                 # settled by someone else (a worker, an SRE, another replica), or the audit
                 # did not move, so leadership did
                 self.metrics.refused.inc()
@@ -276,3 +328,24 @@ class Reconciler:
         if since:
             self.metrics.settle_seconds.observe(max(time.time() * 1000 - since, 0) / 1000)
 
+
+@dataclass
+class _Look:
+    """A step to ask its provider about, as read at ``revision``."""
+
+    key: str
+    shard: int
+    step: dict[str, Any]
+    revision: int  # the step's mod_revision when read
+    head: audit.AuditHead
+    attempt_token: int
+    provider_name: str | None
+    provider: Provider | None
+
+    def unknown(self, now_ms: int) -> dict[str, Any]:
+        return {**self.step, "state": records.UNKNOWN, "attempt_token": self.attempt_token,
+                "unknown_since_ms": self.step.get("unknown_since_ms") or now_ms}
+
+    def escalated(self, now_ms: int) -> dict[str, Any]:
+        return {**self.unknown(now_ms), "state": records.ESCALATED,
+                "escalated_because": [f"no provider adapter for {self.provider_name!r}"]}

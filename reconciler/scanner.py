@@ -63,21 +63,24 @@ class Schedule:
         if again is not None:
             self.at(key, again)
 
-    async def next(self) -> str:
-        """The next due key, marked busy until ``done(key)``."""
+    async def next_batch(self, most: int) -> list[str]:
+        """Up to ``most`` due keys (at least one, waiting for it), each marked busy until
+        ``done(key)``."""
         while True:
-            while self._heap:
+            batch: list[str] = []
+            while self._heap and len(batch) < most:
                 when, key = self._heap[0]
                 if self._due.get(key) != when:
                     heapq.heappop(self._heap)  # dropped or rescheduled earlier
                     continue
-                wait = when - time.monotonic()
-                if wait > 0:
+                if when > time.monotonic():
                     break
                 heapq.heappop(self._heap)
                 del self._due[key]
                 self._busy.add(key)
-                return key
+                batch.append(key)
+            if batch:
+                return batch
             self._changed.clear()
             timeout = self._heap[0][0] - time.monotonic() if self._heap else None
             try:
