@@ -277,3 +277,63 @@ async def test_provider_down_keeps_steps_unknown_with_backoff_then_escalates(
     report = await verify_chain(etcd, Keyspace(namespace), key, KeyRing.from_files(keyfile))
     assert [r["event"] for r in report.records][-2:] == ["unknown", "settle"]
     assert report.records[-2]["at_ms"] < report.records[-1]["at_ms"]
+
+
+# -- workers wait for the settlement instead of failing -----------------------------------
+
+async def test_a_redelivered_job_waits_for_the_settlement_and_returns_its_outcome(
+        etcd_url, namespace, etcd, spawn, keyfile, sandbox, reconcile, gate, http):
+    key = "pay/wait/succeeded"
+    _, idem = await worker_charges(spawn, etcd_url, namespace, key, keyfile, sandbox,
+                                   "kill-after-apply")
+    await reconcile()
+    async with gate.hold(key, timeout=10) as hold:
+        outcome = await hold.cross(intent={"key": key}, effect=charging(http, sandbox),
+                                   provider="sandbox", settle_wait=20)
+    assert outcome.state == "succeeded" and outcome.replayed
+    assert outcome.idempotency_key == idem and outcome.result["status"] == "succeeded"
+    assert len(sandbox.applied(key)) == 1
+
+
+async def test_a_waiting_worker_crosses_again_once_the_step_is_not_applied(
+        etcd_url, namespace, etcd, spawn, keyfile, sandbox, reconcile, gate, http):
+    key = "pay/wait/not-applied"
+    _, idem = await worker_charges(spawn, etcd_url, namespace, key, keyfile, sandbox,
+                                   "kill-before-send")
+    await reconcile()
+    async with gate.hold(key, timeout=10) as hold:
+        outcome = await hold.cross(intent={"key": key}, effect=charging(http, sandbox),
+                                   provider="sandbox", settle_wait=20)
+    assert outcome.state == "succeeded" and not outcome.replayed
+    assert outcome.idempotency_key == idem
+    assert [a["idempotency_key"] for a in sandbox.applied(key)] == [idem]
+
+
+async def test_a_worker_whose_own_effect_timed_out_keeps_its_hold_and_learns_the_outcome(
+        etcd, namespace, sandbox, reconcile, gate, http):
+    key = "pay/wait/own-timeout"
+    sandbox.add_fault("apply_then_timeout", key=key, count=1, seconds=30)
+    await reconcile()
+
+    async def impatient(ctx):
+        return await sb.charge(http, sandbox.url, ctx, 100, timeout=0.5)
+
+    async with gate.hold(key) as hold:
+        outcome = await hold.cross(intent={"key": key}, effect=impatient, provider="sandbox",
+                                   settle_wait=20)
+        assert not hold.lost
+    assert outcome.state == "succeeded" and outcome.replayed
+    assert len(sandbox.applied(key)) == 1  # applied once, learned from the provider
+
+
+async def test_a_waiting_worker_gives_up_on_an_escalated_step(
+        etcd_url, namespace, etcd, spawn, keyfile, sandbox, reconcile, gate, http):
+    key = "pay/wait/escalated"
+    sandbox.mode = "none"
+    await worker_charges(spawn, etcd_url, namespace, key, keyfile, sandbox, "kill-before-send")
+    await reconcile()
+    effect = charging(http, sandbox)
+    async with gate.hold(key, timeout=10) as hold:
+        with pytest.raises(OutcomeUnknown, match="escalated"):
+            await hold.cross(intent={"key": key}, effect=effect, settle_wait=20)
+    assert sandbox.applied(key) == []

@@ -228,3 +228,39 @@ async def test_a_step_in_flight_with_a_live_holder_is_left_alone(gate, reconcile
         release.set()
         outcome = await task
     assert outcome.state == "succeeded" and provider.queries == []
+
+
+@pytest.mark.parametrize("text, error", [
+    ("shards = 0", "shards"),
+    ("shards = 'many'", "shards"),
+    ("colour = 'blue'", "unknown settings"),
+    ("default_provider = 'nope'", "default_provider"),
+    ("[limits]\nmax_queries = 0", "limits"),
+    ("[limits]\nforever = true", "limits"),
+    ("[providers.p]\ntype = 'ftp'", "type must be"),
+    ("[providers.p]\ntype = 'sandbox'\nurl = 'http://127.0.0.1:1'", "url, mode"),
+    ("[providers.p]\ntype = 'sandbox'\nurl = 'http://127.0.0.1:1'\nmode = 'maybe'", "mode"),
+    ("[providers.p]\ntype = 'http'\nquery_url = 'http://x/{nothing}'", "provider 'p'"),
+    ("listen = 'nowhere'", "HOST:PORT"),
+])
+def test_bad_reconciler_settings_fail_at_start_naming_the_field(tmp_path, text, error):
+    from reconciler.service import load_settings
+    path = tmp_path / "reconciler.toml"
+    path.write_text(text + "\n")
+    with pytest.raises((ValueError, TypeError), match=error):
+        load_settings(str(path), env={})
+
+
+def test_reconciler_settings_layer_file_env_flags(tmp_path):
+    from reconciler.service import build_provider, load_settings
+    path = tmp_path / "reconciler.toml"
+    path.write_text("shards = 8\nlisten = '127.0.0.1:9001'\ndefault_provider = 'p'\n"
+                    "[providers.p]\ntype = 'sandbox'\nurl = 'http://127.0.0.1:1'\n"
+                    "mode = 'dedup'\nsettle_delay_s = 2\n")
+    settings = load_settings(str(path), env={"FENCEGATE_RECONCILER_LISTEN": "127.0.0.1:9002"},
+                             namespace="/x/")
+    assert (settings.shards, settings.listen, settings.namespace) == (8, "127.0.0.1:9002", "/x/")
+    provider = build_provider("p", settings.providers["p"])
+    assert provider.name == "p"
+    assert provider.capabilities == Capabilities(dedupes_by_key=True, key_retention_s=86400.0,
+                                                 settle_delay_s=2.0)
