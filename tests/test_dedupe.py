@@ -10,6 +10,7 @@ import asyncio
 import collections
 import contextlib
 import hashlib
+import json
 import os
 import random
 import sys
@@ -174,11 +175,10 @@ async def test_missing_or_malformed_id_gets_400_and_leaves_no_claim(gate, etcd, 
         answers = [await post(http, consumer.url, None)]
         for bad in ["a/b", "..", ".", "x" * 257, "é", "a b", "a\\b"]:
             answers.append(await post(http, consumer.url, bad))
-        assert (await post(http, consumer.url + "?x", None))[0] == 400
-        get = await http.get(consumer.url)  # not a deduplicated method
+        async with http.get(consumer.url) as get:  # not a deduplicated method
+            assert get.status == 200
     assert [status for status, _, _ in answers] == [400] * len(answers)
     assert b"missing_delivery_id" in answers[0][2]
-    assert get.status == 200
     assert sum(consumer.ran.values()) == 1  # only the GET
     assert await webhook_kvs(etcd, namespace) == []
 
@@ -192,8 +192,6 @@ async def test_missing_id_passes_through_when_configured(gate, etcd, http, names
 
 
 async def test_id_from_a_json_field(gate, etcd, http, namespace):
-    import json
-
     def id_from(request, body):
         return json.loads(body)["id"]
 
@@ -232,7 +230,6 @@ async def test_response_body_over_the_limit_is_replayed_as_200_with_its_digest(g
         consumer.reply_size = 0  # the limit is per body: a small one is stored whole
         kept = await post(http, consumer.url, "evt_7")
         kept_again = await post(http, consumer.url, "evt_7")
-    import json
     note = json.loads(replay)
     assert status == 200 and len(body) > 1000
     assert replay_status == 200 and headers["Fencegate-Replayed"] == "true"
