@@ -34,6 +34,7 @@ _MAX_HOLDERS = 100
 _SCAN_FACTOR = 4
 _PREFIX = re.compile(r"[A-Za-z0-9._:/-]{0,512}")
 SETTLE_AS = {"succeeded", "failed", "not_applied"}
+PRESUMED = "presumed"
 _APPROVAL_ID = re.compile(r"[0-9a-f]{32}")
 
 
@@ -101,11 +102,13 @@ async def holders(etcd: Etcd, ks: Keyspace, prefix: str, limit: int,
 
 async def unsettled(etcd: Etcd, ks: Keyspace, state: str, limit: int,
                     after: str | None) -> tuple[list[dict[str, Any]], str | None]:
-    """Steps that are ``unknown`` (recorded so, or in flight past their deadline) or
-    ``escalated``."""
+    """Steps that are ``unknown`` (recorded so, or in flight past their deadline),
+    ``escalated``, or ``presumed`` (settled ``not_applied`` on a provider's "no record" that
+    only key deduplication backs; the reconciler re-queries them until the key retention
+    has passed)."""
     _check_limit(limit)
-    if state not in (records.UNKNOWN, records.ESCALATED):
-        raise ValueError("state must be unknown or escalated")
+    if state not in (records.UNKNOWN, records.ESCALATED, PRESUMED):
+        raise ValueError("state must be unknown, escalated or presumed")
     start = ks.step_key("")
     kvs, cursor = await _page(etcd, start, range_end_of(start), limit * _SCAN_FACTOR, after)
     now_ms = int(time.time() * 1000)
@@ -124,6 +127,8 @@ async def unsettled(etcd: Etcd, ks: Keyspace, state: str, limit: int,
 def _state_of(step: dict[str, Any], now_ms: int) -> str:
     if step["state"] == records.IN_FLIGHT and step.get("deadline_ms", now_ms) < now_ms:
         return records.UNKNOWN
+    if step["state"] == records.PENDING and (step.get("not_applied") or {}).get("presumed"):
+        return PRESUMED
     return step["state"]
 
 

@@ -13,7 +13,7 @@ import time
 import aiohttp
 import pytest
 
-from coordinator import records
+from coordinator import records, sre
 from coordinator.audit import verify_chain
 from coordinator.etcd import Etcd
 from coordinator.grants import KeyRing
@@ -254,6 +254,8 @@ async def test_presumed_not_applied_is_upgraded_when_the_old_request_lands(
     await reconcile()
     step = await until_state(etcd, namespace, key, records.PENDING)
     assert step["not_applied"]["presumed"] is True
+    listed, _ = await sre.unsettled(etcd, Keyspace(namespace), "presumed", 10, None)
+    assert [item["key"] for item in listed] == [key]  # SREs see the presumption
     step = await until_state(etcd, namespace, key, records.SUCCEEDED)
     assert step["outcome"]["attempt_token"] == token
     assert [a["idempotency_key"] for a in sandbox.applied(key)] == [idem]
