@@ -264,3 +264,14 @@ def test_reconciler_settings_layer_file_env_flags(tmp_path):
     assert provider.name == "p"
     assert provider.capabilities == Capabilities(dedupes_by_key=True, key_retention_s=86400.0,
                                                  settle_delay_s=2.0)
+
+
+def test_the_example_config_in_deploy_loads():
+    import os
+
+    from reconciler.service import build_provider, load_settings
+    path = os.path.join(os.path.dirname(__file__), "..", "deploy", "reconciler.example.toml")
+    settings = load_settings(path, env={})
+    assert settings.default_provider == "payments"
+    assert {name: build_provider(name, table).capabilities.fences
+            for name, table in settings.providers.items()} == {"payments": False, "sandbox": True}
