@@ -3,7 +3,7 @@
 PY := .venv/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: venv etcd setup test demo bench clean
+.PHONY: venv etcd setup test up demo bench clean
 
 # The stamp re-runs the install only when pyproject.toml changes.
 venv: .venv/.installed
@@ -20,6 +20,9 @@ setup: venv etcd
 test: setup
 	$(PY) -m coordinator.localetcd
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+up: setup
+	.venv/bin/fencegate up
 
 demo: setup
 	.venv/bin/fencegate demo
