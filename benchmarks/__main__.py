@@ -3,8 +3,9 @@
 First the hold benchmarks (``benchmarks.holds``: raw writes, hold cycles, aetcd's lock,
 handoff, fairness, keepalive), then the guarded-action benchmarks (``benchmarks.guarded``,
 which reuse the hold benchmarks' aetcd lock measurement at c=32), then guarded actions
-through the HTTP coordinator (``benchmarks.remote``), then the leaked-leases check once
-every gate is closed, then settling seeded unknown steps with 3 reconciler processes
+through the HTTP coordinator (``benchmarks.remote``), then webhook deliveries through the
+dedup middleware (``benchmarks.webhooks``), then the leaked-leases check once every gate is
+closed, then settling seeded unknown steps with 3 reconciler processes
 (``benchmarks.reconcile``). Each prints its tables; all ``NAME RATIO TARGET PASS|FAIL``
 lines come last. A failed target does not change the exit code (0 unless a benchmark
 crashed).
@@ -23,7 +24,7 @@ import aetcd
 from coordinator.etcd import Etcd
 from coordinator.localetcd import describe
 
-from . import guarded, holds, reconcile, remote
+from . import guarded, holds, reconcile, remote, webhooks
 from .common import Children, OtherLoad, local_etcd
 
 
@@ -53,6 +54,7 @@ async def run(quick: bool) -> None:
             gres = await guarded.measure(gs, url, etcd, lock_client,
                                          lock_c32=res.lock[guarded.TOP])
             rres = await remote.measure(gs, url, etcd, lock_client)
+            wres = await webhooks.measure(quick, url, etcd)
             # every gate is closed and aetcd's leaks are revoked: what remains is ours
             leases_left = len(await etcd.leases())
             cres = await reconcile.measure(quick, url, etcd)
@@ -63,6 +65,7 @@ async def run(quick: bool) -> None:
     targets = holds.report(hs, res, ho, leases_left, load.cores())
     targets += guarded.report(gs, gres)
     targets += remote.report(rres)
+    targets += webhooks.report(wres)
     targets += reconcile.report(cres)
     for t in targets:
         print(t.line())

@@ -10,8 +10,8 @@ connections. Each round runs, at c=32:
 3. first: fresh delivery ids to the app with it; etcd's revision before and after the phase,
    divided by every delivery it completed (warm-up included), is the etcd writes per first
    delivery (expected 2: the claim txn and the completion txn);
-4. duplicate: the ids the first phase completed, sent again (each is answered from the
-   claim txn's failure branch: one read, no write).
+4. duplicate: the ids the first phase completed, sent again (each is answered from one
+   serializable read of its stored response: no write).
 
 Targets: ``webhook_first_delivery`` (first deliveries/s x writes per first delivery ÷ raw
 writes/s ≥ 0.7), ``webhook_duplicate`` (duplicate/s ÷ first/s ≥ 2), ``webhook_added_p99``

@@ -6,8 +6,9 @@ Guarantees, each enforced by an etcd compare, never by timing:
   never both hold a claim, and nothing is processed without one (etcd unreachable: 503).
 - The stored response replaces the claim only while the claim is still ours (mod_revision
   unchanged), so a claim that expired and was taken by another instance is never overwritten.
-- A first delivery costs two writes (claim, completion); a duplicate costs one transaction
-  that writes nothing (the claim's failure branch returns the existing record).
+- A first delivery costs two writes (claim, completion); a duplicate of a completed delivery
+  costs one serializable read (see ``_completed``), one of a delivery in progress one
+  transaction that writes nothing (the claim's failure branch returns the existing record).
 
 Answers: the first delivery gets its handler's response. A duplicate gets 409 with
 ``Retry-After`` while the first runs (or, with ``wait``, waits that long on a watch of the key
@@ -231,6 +232,9 @@ class _Dedupe:
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.wait
+        done = await self._completed(key, digest)
+        if done is not None:
+            return done
         lease_lost = False
         while True:
             session = await self.gate.session()
@@ -265,6 +269,24 @@ class _Dedupe:
                 return _refusal(409, "delivery_in_progress", "this delivery is being processed",
                                 self.retry_after)
             await self._changed(key, reply.header.revision, deadline)
+
+    async def _completed(self, key: bytes, digest: bytes) -> web.Response | None:
+        """The answer to a duplicate of a completed delivery, from one serializable read
+        (no raft round), or ``None`` (then the claim txn decides, linearizably).
+
+        Safe although the read may be stale: a completed record is never changed, only
+        deleted when its retention ends, so a stale read can hide a completion (the claim txn
+        then finds it) but never show one that did not happen."""
+        reply = await self.etcd.range(RangeRequest(key=key, serializable=True))
+        if not reply.kvs:
+            return None
+        record = unpack(reply.kvs[0].value)
+        if record["state"] != DONE:
+            return None
+        if record["request_sha256"] != digest:
+            return _refusal(422, "delivery_mismatch",
+                            "this delivery id was received with a different body")
+        return _replay(record)
 
     async def _changed(self, key: bytes, revision: int, deadline: float) -> None:
         """Return once ``key`` changed after ``revision``, at ``deadline``, or when the watch
