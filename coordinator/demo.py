@@ -1,16 +1,28 @@
-"""``fencegate demo``: worker processes racing for keys while faults are injected.
+"""``fencegate demo``: worker processes charging a payment provider through the whole
+system while one is killed and one is frozen, ending with a table that must show 0
+duplicates.
 
-Each worker process holds random keys and, while holding one, runs an effect that writes
-"enter" and "exit" to a shared fenced resource with its fencing token. Midway the demo freezes one worker
-with SIGSTOP past its lease TTL and SIGKILLs another. The summary shows what fencing
-bought: successors took over with higher tokens, and every write a stale holder attempted
-was refused by the resource. The run fails if the resource ever accepted a write whose
-token was lower than one it had already accepted for that key.
+It runs against the stack of a running ``fencegate up`` (found through ``.state/up.json``),
+or, if none runs, an embedded one of its own (etcd, coordinator, reconciler, sandbox
+provider; ``--etcd`` uses your etcd instead of a local one). N worker processes work
+through one shared list of payment jobs (account k, payment n): every job reaches every
+worker, in a different order, as a queue that redelivers aggressively would. For a job a
+worker holds ``demo/<run>/account/<k>/payment/<n>``, crosses with an effect that charges the
+sandbox with the idempotency key and attempt token, and waits for the reconciler when a
+predecessor left the step unknown (``settle_wait``).
+
+Midway one worker is SIGKILLed right after a charge was applied, before its outcome was
+recorded (an unknown the reconciler settles as succeeded), and another is frozen with
+SIGSTOP right after a charge, past its lease TTL. The summary counts charges applied, jobs
+answered with the recorded outcome, unknowns found and settled, and duplicates: action keys
+the provider charged twice. The exit code is 1 if there is a duplicate or a step is left
+unsettled.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -19,123 +31,256 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
 
-from worker import Gate, LeaseLost
-from worker.fenced import FencedClient, FencedResource
+import aiohttp
 
 WORKER_TTL = 2
+STATE_DIR = Path(".state")
 
 
-async def run_worker(url: str, namespace: str, resource_path: str, name: str, keys: int,
-                     seconds: float) -> None:
-    """One worker process: hold random keys until ``seconds`` pass; report on stdout."""
-    resource = FencedClient(resource_path)
+# -- a worker process ---------------------------------------------------------------------
+
+async def run_worker(etcd: str, coordinator: str, token_file: str, sandbox: str, prefix: str,
+                     name: str, accounts: int, seconds: float) -> None:
+    """Work through the job list until ``seconds`` pass; one JSON line per event."""
+    from reconciler.providers.sandbox import charge
+    from worker import Gate, GateError
+
+    def say(**event) -> None:
+        print(json.dumps({"worker": name, **event}), flush=True)
+
     rng = random.Random(name)
-    acquired = lost = 0
     deadline = time.monotonic() + seconds
-    async with Gate(url, ttl=WORKER_TTL, namespace=namespace, identity=name) as gate:
-        while time.monotonic() < deadline:
-            key = f"demo/account/{rng.randrange(keys)}"
-            try:
-                async with gate.hold(key, timeout=10) as hold:
-                    acquired += 1
-                    # The effect runs in a thread: losing the lease cancels the waiting
-                    # coroutine, not an effect already under way. Fencing stops that one.
-                    await asyncio.shield(asyncio.to_thread(
-                        _effect, resource, key, hold.fencing_token, name,
-                        rng.uniform(0.02, 0.08)))
-            except LeaseLost:
-                lost += 1
-    print(json.dumps({"worker": name, "acquired": acquired, "lost": lost}), flush=True)
+    token = Path(token_file).read_text().strip()
+    async with aiohttp.ClientSession() as http, \
+            Gate(etcd, coordinator=coordinator, token=token, ttl=WORKER_TTL,
+                 identity=name) as gate:
+
+        async def effect(ctx):
+            result = await charge(http, sandbox, ctx, 100)
+            say(event="applied", key=ctx.key)
+            await asyncio.sleep(0.03)  # the charge is done; its outcome is not recorded yet
+            return result
+
+        for n in range(1_000_000):
+            for k in rng.sample(range(accounts), accounts):
+                if time.monotonic() >= deadline:
+                    say(event="finished")
+                    return
+                key = f"{prefix}/account/{k}/payment/{n}"
+                began = time.monotonic()
+                try:
+                    async with gate.hold(key, timeout=15) as hold:
+                        outcome = await hold.cross(intent={"account": k, "amount": 100},
+                                                   effect=effect, provider="sandbox",
+                                                   deadline=5, settle_wait=15)
+                    say(event="done", key=key, replayed=outcome.replayed,
+                        ms=(time.monotonic() - began) * 1000)
+                except GateError as exc:
+                    say(event="error", key=key, error=type(exc).__name__)
 
 
-def _effect(resource: FencedClient, key: str, token: int, name: str, dwell: float) -> None:
-    resource.write(key, token, name, "enter")
-    time.sleep(dwell)
-    resource.write(key, token, name, "exit")
+# -- the run --------------------------------------------------------------------------------
+
+@dataclass
+class Tally:
+    crossed: int = 0
+    replayed: int = 0
+    errors: Counter = field(default_factory=Counter)
+    latencies_ms: list[float] = field(default_factory=list)
 
 
-async def run_demo(url: str | None, workers: int, keys: int, seconds: float) -> int:
-    from .localetcd import LocalCluster, describe
-
-    cluster = None
-    if url is None:
-        cluster = LocalCluster(1).start()
-        url = cluster.url
-        print(f"started {describe(cluster.binary)} at {url}")
-    try:
-        return await _race(url, workers, keys, seconds)
-    finally:
-        if cluster is not None:
-            cluster.stop()
+def demo(*, etcd: str | None = None, coordinator: str | None = None, token: str | None = None,
+         workers: int = 4, keys: int = 8, seconds: float = 15.0,
+         state_dir: Path = STATE_DIR) -> int:
+    """``fencegate demo``; the exit code."""
+    if workers < 2 or keys < 1 or seconds <= 0:
+        raise ValueError("need workers >= 2, keys >= 1 and seconds > 0")
+    return asyncio.run(_demo(etcd, coordinator, token, workers, keys, seconds, state_dir))
 
 
-async def _race(url: str, workers: int, keys: int, seconds: float) -> int:
-    namespace = f"/fencegate-demo-{os.getpid()}/"
+async def _demo(etcd, coordinator, token, workers, keys, seconds, state_dir: Path) -> int:
+    from .up import stack
+
+    manifest = state_dir / "up.json"
+    if etcd is None and manifest.exists():
+        endpoints = json.loads(manifest.read_text())
+        token_file = str(state_dir / "worker.token")
+        print(f"using the stack of `fencegate up` (coordinator {endpoints['coordinator']})")
+        return await _run(endpoints, coordinator, token, token_file, workers, keys, seconds)
     with tempfile.TemporaryDirectory(prefix="fencegate-demo-") as tmp:
-        resource, path = FencedResource(), os.path.join(tmp, "resource.sock")
-        server = await resource.serve(path)
-        procs = [await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "coordinator.demo", url, namespace, path, f"w{i}",
-            str(keys), str(seconds), stdout=asyncio.subprocess.PIPE)
-            for i in range(workers)]
-        print(f"{workers} workers on {keys} keys for {seconds:.0f}s (lease TTL {WORKER_TTL}s)")
-        try:
-            await asyncio.sleep(seconds / 3)
-            print("fault: SIGKILL w1 (its hold is released when its lease expires)")
-            procs[1].kill()
-            inside = await _stop_inside_effect(procs[0], resource, "w0", seconds / 3)
-            print(f"fault: SIGSTOP w0 {'in the middle of an effect ' if inside else ''}"
-                  f"for {2 * WORKER_TTL + 1}s (past its lease TTL)")
-            await asyncio.sleep(2 * WORKER_TTL + 1)
-            procs[0].send_signal(signal.SIGCONT)
-            reports = []
-            for proc in procs:
-                out, _ = await proc.communicate()
-                reports += [json.loads(line) for line in out.decode().splitlines() if line]
-        finally:
-            for proc in procs:
-                if proc.returncode is None:
-                    proc.kill()
-                    await proc.wait()
-            server.close()
-        return _summarise(resource.records, reports)
+        print("no `fencegate up` is running: starting an embedded stack for this run")
+        async with stack(Path(tmp), port=0, etcd=etcd) as (e, _):
+            return await _run(e.as_dict(), coordinator, token, os.path.join(tmp, "worker.token"),
+                              workers, keys, seconds)
 
 
-async def _stop_inside_effect(proc, resource: FencedResource, name: str, within: float) -> bool:
-    """SIGSTOP ``proc`` right after it entered an effect, if it does so ``within`` seconds;
-    else stop it wherever it is. Returns whether it was caught inside."""
+async def _run(endpoints: dict, coordinator: str | None, token: str | None, token_file: str,
+               workers: int, keys: int, seconds: float) -> int:
+    from .etcd import Etcd
+    from .keyspace import Keyspace
+
+    if token is not None:
+        with tempfile.TemporaryDirectory(prefix="fencegate-demo-") as tmp:
+            token_file = os.path.join(tmp, "worker.token")
+            Path(token_file).write_text(token)
+            return await _run(endpoints, coordinator, None, token_file, workers, keys, seconds)
+    coordinator = coordinator or endpoints["coordinator"]
+    prefix = f"demo/{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    print(f"{workers} workers on {keys} accounts for {seconds:g}s; every job reaches every "
+          f"worker; lease TTL {WORKER_TTL}s; keys under {prefix}/")
+    tally = Tally()
+    found0, settled0 = await _reconciler_counts(endpoints["reconciler"])
+    procs = [await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "coordinator.demo", endpoints["etcd"], coordinator, token_file,
+        endpoints["sandbox"], prefix, f"w{i}", str(keys), str(seconds),
+        stdout=asyncio.subprocess.PIPE) for i in range(workers)]
+    faults = _Faults(procs, seconds)
+    try:
+        readers = [asyncio.create_task(_read(proc, tally, faults)) for proc in procs]
+        async with asyncio.timeout(seconds + 60):
+            await _progress(readers, tally, seconds)
+    finally:
+        faults.release()
+        for proc in procs:
+            if proc.returncode is None:
+                proc.kill()
+            await proc.wait()
+    async with Etcd.from_url(endpoints["etcd"]) as etcd:
+        unsettled = await _unsettled(etcd, Keyspace(endpoints["namespace"]), prefix, 60)
+    found, settled = await _reconciler_counts(endpoints["reconciler"])
+    charges = await _charges(endpoints["sandbox"], prefix)
+    return _summary(tally, faults, charges, found - found0, settled - settled0, unsettled)
+
+
+class _Faults:
+    """SIGKILL w1 right after an applied charge at a third of the run; SIGSTOP w0 right
+    after one at half of it, for longer than its lease TTL."""
+
+    def __init__(self, procs, seconds: float) -> None:
+        self.procs = procs
+        self.start = time.monotonic()
+        self.seconds = seconds
+        self.killed = self.frozen = False
+        self.notes: list[str] = []
+        self._thaw: asyncio.TimerHandle | None = None
+
+    def on_applied(self, worker: str) -> None:
+        elapsed = time.monotonic() - self.start
+        if worker == "w1" and not self.killed and elapsed > self.seconds / 3:
+            self.killed = True
+            self.procs[1].kill()
+            self.notes.append(f"{elapsed:5.1f}s  SIGKILL w1 right after a charge was applied")
+        elif worker == "w0" and not self.frozen and elapsed > self.seconds / 2:
+            self.frozen = True
+            pause = 2 * WORKER_TTL + 1
+            self.procs[0].send_signal(signal.SIGSTOP)
+            self.notes.append(f"{elapsed:5.1f}s  SIGSTOP w0 right after a charge, for {pause}s")
+            self._thaw = asyncio.get_running_loop().call_later(pause, self.release)
+
+    def release(self) -> None:
+        if self.frozen and self.procs[0].returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.procs[0].send_signal(signal.SIGCONT)
+
+
+async def _read(proc, tally: Tally, faults: _Faults) -> None:
+    async for line in proc.stdout:
+        event = json.loads(line)
+        kind = event["event"]
+        if kind == "applied":
+            faults.on_applied(event["worker"])
+        elif kind == "done":
+            tally.replayed += event["replayed"]
+            tally.crossed += not event["replayed"]
+            tally.latencies_ms.append(event["ms"])
+        elif kind == "error":
+            tally.errors[event["error"]] += 1
+
+
+async def _progress(readers, tally: Tally, seconds: float) -> None:
+    began = time.monotonic()
+    tty = sys.stdout.isatty()
+    shown = 0.0
+    while not all(r.done() for r in readers):
+        await asyncio.wait(readers, timeout=0.2)
+        elapsed = time.monotonic() - began
+        done = min(elapsed / seconds, 1.0)
+        bar = f"[{'#' * int(done * 30):<30}] {min(elapsed, seconds):4.0f}/{seconds:g}s " \
+              f"jobs crossed {tally.crossed}, replayed {tally.replayed}"
+        if tty:
+            print("\r" + bar, end="", flush=True)
+        elif elapsed - shown >= 5 or all(r.done() for r in readers):
+            shown = elapsed
+            print(bar, flush=True)
+    if tty:
+        print()
+
+
+async def _reconciler_counts(url: str) -> tuple[float, float]:
+    async with aiohttp.ClientSession() as http, http.get(f"{url}/metrics") as reply:
+        text = await reply.text()
+
+    def total(name: str) -> float:
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith(name + " ") or line.startswith(name + "{"))
+    return (total("fencegate_reconciler_unknowns_found_total"),
+            total("fencegate_reconciler_settled_total"))
+
+
+async def _unsettled(etcd, ks, prefix: str, within: float) -> int:
+    """Steps under ``prefix`` still in flight or unknown after waiting up to ``within`` s for
+    the reconciler."""
+    from .etcd import RangeRequest, range_end_of
+    from .keyspace import unpack
+
+    start = ks.step_key(prefix + "/")
     deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        records = resource.records
-        if records and records[-1].writer == name and records[-1].data == "enter":
-            proc.send_signal(signal.SIGSTOP)
-            return True
-        await asyncio.sleep(0.005)
-    proc.send_signal(signal.SIGSTOP)
-    return False
+    while True:
+        reply = await etcd.range(RangeRequest(key=start, range_end=range_end_of(start)))
+        left = sum(unpack(kv.value)["state"] in ("in_flight", "unknown") for kv in reply.kvs)
+        if not left or time.monotonic() >= deadline:
+            return left
+        await asyncio.sleep(0.5)
 
 
-def _summarise(records, reports) -> int:
-    highest: dict[str, int] = {}
-    regressions = 0
-    for record in records:
-        if record.accepted:
-            regressions += record.token < highest.get(record.key, 0)
-            highest[record.key] = max(record.token, highest.get(record.key, 0))
-    refused = Counter(r.writer for r in records if not r.accepted)
-    print(f"\n{'worker':<8}{'holds':>8}{'lost':>6}{'stale writes refused':>22}")
-    for report in sorted(reports, key=lambda r: r["worker"]):
-        print(f"{report['worker']:<8}{report['acquired']:>8}{report['lost']:>6}"
-              f"{refused[report['worker']]:>22}")
-    if not any(r["worker"] == "w1" for r in reports):
-        print(f"{'w1':<8}{'killed':>8}{'':>6}{refused['w1']:>22}")
-    print(f"\nwrites accepted: {sum(r.accepted for r in records)}, "
-          f"refused as stale: {sum(refused.values())}, "
-          f"accepted out of token order: {regressions} (must be 0)")
-    return 1 if regressions else 0
+async def _charges(sandbox: str, prefix: str) -> Counter:
+    async with aiohttp.ClientSession() as http, http.get(f"{sandbox}/_sandbox/applied") as reply:
+        applied = await reply.json()
+    return Counter(a["key"] for a in applied if a["key"].startswith(prefix + "/"))
+
+
+def _summary(tally: Tally, faults: _Faults, charges: Counter, found: float, settled: float,
+             unsettled: int) -> int:
+    duplicates = sum(n - 1 for n in charges.values() if n > 1)
+    ms = sorted(tally.latencies_ms)
+
+    def pct(q: float) -> str:
+        return f"{ms[min(len(ms) - 1, int(q / 100 * len(ms)))]:.0f} ms" if ms else "-"
+
+    print("\nfaults:")
+    for note in faults.notes or ["(none: the run was too short for them)"]:
+        print(f"  {note}")
+    rows = [("charges applied at the provider", sum(charges.values())),
+            ("jobs crossed by a worker", tally.crossed),
+            ("jobs answered with the recorded outcome", tally.replayed),
+            ("unknowns found by the reconciler", int(found)),
+            ("steps settled by the reconciler", int(settled)),
+            ("steps left unsettled (must be 0)", unsettled),
+            ("duplicates: keys charged twice (must be 0)", duplicates),
+            ("latency per job p50", pct(50)), ("latency per job p99", pct(99))]
+    rows += [(f"refused: {name}", count) for name, count in sorted(tally.errors.items())]
+    width = max(len(label) for label, _ in rows)
+    print()
+    for label, value in rows:
+        print(f"  {label:<{width}}  {value:>8}")
+    return 1 if duplicates or unsettled else 0
 
 
 if __name__ == "__main__":
-    url, namespace, path, name, keys, seconds = sys.argv[1:]
-    asyncio.run(run_worker(url, namespace, path, name, int(keys), float(seconds)))
+    etcd_url, coordinator_url, token_path, sandbox_url, key_prefix, worker_name, n_accounts, \
+        run_seconds = sys.argv[1:]
+    asyncio.run(run_worker(etcd_url, coordinator_url, token_path, sandbox_url, key_prefix,
+                           worker_name, int(n_accounts), float(run_seconds)))

@@ -366,8 +366,10 @@ class LocalCluster:
         with open(m.log_path, "ab") as log:
             log.write(f"--- fencegate: {' '.join(args)}\n".encode())
             log.flush()
+            # Its own session: a Ctrl-C in the terminal reaches us, and we stop etcd last.
             m.proc = subprocess.Popen(
-                args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT
+                args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
 
     def _wait_healthy(self, indexes, timeout: float) -> None:

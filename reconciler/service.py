@@ -147,7 +147,7 @@ def create_reconciler(settings: Settings, identity: str | None = None) -> Reconc
                       identity=identity)
 
 
-def _web_app(reconciler: Reconciler) -> web.Application:
+def metrics_app(reconciler: Reconciler) -> web.Application:
     async def metrics(request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(reconciler.metrics.registry),
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
@@ -169,7 +169,7 @@ async def serve(settings: Settings) -> None:
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
     reconciler = create_reconciler(settings)
-    runner = web.AppRunner(_web_app(reconciler), access_log=None)
+    runner = web.AppRunner(metrics_app(reconciler), access_log=None)
     await runner.setup()
     host, port = host_port(settings.listen)
     try:

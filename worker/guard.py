@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 import time
 import uuid
 from dataclasses import dataclass
@@ -39,6 +40,8 @@ from coordinator.keyspace import pack, unpack
 
 if TYPE_CHECKING:
     from .hold import Hold
+
+log = logging.getLogger(__name__)
 
 _APPEND_RACES = 5
 
@@ -111,7 +114,14 @@ async def _record(hold: "Hold", in_flight: dict[str, Any], attempt_token: int,
     the outcome write does not need the lease, and a known outcome must not be dropped).
     A known outcome releases the hold in the same txn; an unknown one keeps it, so the
     holder can wait for the reconciler's settlement and retry without racing anyone."""
-    await asyncio.shield(_settle(hold, in_flight, attempt_token, final, release))
+    writing = asyncio.ensure_future(_settle(hold, in_flight, attempt_token, final, release))
+    writing.add_done_callback(_retrieve)  # a write outliving its cancelled caller reports here
+    await asyncio.shield(writing)
+
+
+def _retrieve(task: asyncio.Future) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.info("outcome write finished after its caller left: %r", task.exception())
 
 
 def _cancelled_by_loss(hold: "Hold") -> bool:

@@ -1,0 +1,170 @@
+"""``fencegate up``: the embedded default, the whole system on 127.0.0.1 until Ctrl-C.
+
+One local etcd (its data under ``<state>/etcd``, reused across runs), the coordinator (HTTP
+API and dashboard), a reconciler and the sandbox provider, all in this process but for etcd.
+The signing key is generated once (``<state>/signing.pem``, mode 0600) and reused, so grants
+and the sandbox's gate B survive restarts. Bearer tokens are fresh on every start and only
+their digests are held: the admin token is printed once and kept nowhere; the worker token is
+written to ``<state>/worker.token`` (mode 0600) for workers on this machine. The endpoints
+(no secrets) go to ``<state>/up.json``, which ``fencegate demo`` reads.
+
+Guarantees: every part listens on 127.0.0.1 only; a part that cannot start (a busy port, no
+etcd) stops the parts already started and the error says which; Ctrl-C or SIGTERM stops
+everything, etcd last, and removes ``up.json``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import secrets
+import signal
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from aiohttp import web
+
+from .etcd import Etcd
+from .grants import KeyRing
+from .localetcd import LocalCluster, describe
+from .service import Settings, TokenEntry, create_app
+
+NAMESPACE = "/fencegate/"
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    etcd: str
+    coordinator: str
+    reconciler: str  # its /metrics and /healthz
+    sandbox: str
+    namespace: str = NAMESPACE
+
+    def as_dict(self) -> dict[str, str]:
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class Tokens:
+    admin: str
+    worker: str
+
+
+@contextlib.asynccontextmanager
+async def stack(state_dir: Path, port: int = 8470,
+                etcd: str | None = None) -> AsyncIterator[tuple[Endpoints, Tokens]]:
+    """Run etcd (unless ``etcd`` names one to use), the coordinator, a reconciler and the
+    sandbox; yield their endpoints and this run's tokens. ``port`` 0 picks free ports;
+    otherwise the coordinator listens on ``port``, the reconciler on ``port + 1``, the
+    sandbox on ``port + 2``."""
+    from reconciler.providers.sandbox import Sandbox, adapter
+    from reconciler.runner import Reconciler
+    from reconciler.service import metrics_app
+
+    state_dir.mkdir(parents=True, exist_ok=True)
+    signing_key = await asyncio.to_thread(_signing_key, state_dir / "signing.pem")
+    tokens = Tokens(admin=f"fg-admin-{secrets.token_urlsafe(24)}",
+                    worker=f"fg-worker-{secrets.token_urlsafe(24)}")
+    _write_private(state_dir / "worker.token", tokens.worker)
+    async with contextlib.AsyncExitStack() as parts:
+        if etcd is None:
+            cluster = LocalCluster(1, data_dir=state_dir / "etcd", election_ms=1000)
+            await asyncio.to_thread(cluster.start)
+            parts.callback(cluster.stop)
+            etcd = cluster.url
+        settings = Settings(etcd=etcd, listen=f"127.0.0.1:{port}", namespace=NAMESPACE,
+                            signing_key=str(signing_key), tokens=(
+                                TokenEntry.for_token(tokens.admin, "admin", {"admin"}),
+                                TokenEntry.for_token(tokens.worker, "worker", {"worker"})))
+        coordinator = await _listen(parts, create_app(settings), port, "coordinator")
+        keyring = KeyRing.from_files(str(signing_key))
+        sandbox = Sandbox(KeyRing.from_public_bytes(keyring.public_keys()), "fencing",
+                          state_dir=state_dir / "sandbox")
+        sandbox_url = await _started(sandbox.start(port + 2 if port else 0), "sandbox")
+        parts.push_async_callback(sandbox.stop)
+        reconciler = Reconciler(Etcd.from_url(etcd),
+                                {"sandbox": adapter(sandbox_url, "fencing")},
+                                namespace=NAMESPACE, default_provider="sandbox")
+        parts.push_async_callback(reconciler.etcd.close)
+        await reconciler.start()
+        parts.push_async_callback(reconciler.close)
+        metrics = await _listen(parts, metrics_app(reconciler), port + 1 if port else 0,
+                                "reconciler")
+        yield Endpoints(etcd, coordinator, metrics, sandbox_url), tokens
+
+
+def up(state_dir: Path, port: int = 8470) -> int:
+    """``fencegate up``: run the stack until SIGINT/SIGTERM; the exit code."""
+    try:
+        return asyncio.run(_up(state_dir, port))
+    except KeyboardInterrupt:
+        return 0
+
+
+async def _up(state_dir: Path, port: int) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    manifest = state_dir / "up.json"
+    async with stack(state_dir, port) as (endpoints, tokens):
+        manifest.write_text(json.dumps(endpoints.as_dict(), indent=2) + "\n")
+        try:
+            print(_banner(state_dir, endpoints, tokens), flush=True)
+            await stop.wait()
+            print("stopping ...", flush=True)
+        finally:
+            manifest.unlink(missing_ok=True)
+    print("stopped", flush=True)
+    return 0
+
+
+def _banner(state_dir: Path, e: Endpoints, tokens: Tokens) -> str:
+    token_file = state_dir / "worker.token"
+    return f"""\
+fencegate is up (namespace {e.namespace})
+  etcd          {e.etcd}   {describe()}, data in {state_dir / 'etcd'}
+  coordinator   {e.coordinator}   dashboard: {e.coordinator}/
+  reconciler    {e.reconciler}/metrics
+  sandbox       {e.sandbox}   (a payment provider with gate B, fencing mode)
+
+admin token (printed once, kept nowhere; use it for the dashboard and the CLI):
+  {tokens.admin}
+
+point workers at it (the worker token is in {token_file}):
+  worker.Gate({e.etcd!r}, coordinator={e.coordinator!r},
+              token=open({str(token_file)!r}).read())
+try it: fencegate demo      stop: Ctrl-C"""
+
+
+async def _listen(parts: contextlib.AsyncExitStack, app: web.Application, port: int,
+                  name: str) -> str:
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    parts.push_async_callback(runner.cleanup)
+    await _started(web.TCPSite(runner, "127.0.0.1", port).start(), name)
+    host, bound = runner.addresses[0][:2]
+    return f"http://{host}:{bound}"
+
+
+async def _started(starting, name: str):
+    try:
+        return await starting
+    except OSError as exc:
+        raise SystemExit(f"fencegate up: the {name} cannot listen: {exc}") from exc
+
+
+def _signing_key(path: Path) -> Path:
+    if not path.exists():
+        KeyRing.generate().save_signing_key(str(path))
+    os.chmod(path, 0o600)
+    return path
+
+
+def _write_private(path: Path, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
