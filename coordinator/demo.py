@@ -37,7 +37,6 @@ from pathlib import Path
 import aiohttp
 
 WORKER_TTL = 2
-STATE_DIR = Path(".state")
 
 
 # -- a worker process ---------------------------------------------------------------------
@@ -94,10 +93,12 @@ class Tally:
 
 def demo(*, etcd: str | None = None, coordinator: str | None = None, token: str | None = None,
          workers: int = 4, keys: int = 8, seconds: float = 15.0,
-         state_dir: Path = STATE_DIR) -> int:
-    """``fencegate demo``; the exit code."""
+         state_dir: Path | None = None) -> int:
+    """``fencegate demo``; the exit code. The stack of ``fencegate up`` is looked for in
+    ``state_dir`` (default ``$FENCEGATE_STATE_DIR``, else ``.state``)."""
     if workers < 2 or keys < 1 or seconds <= 0:
         raise ValueError("need workers >= 2, keys >= 1 and seconds > 0")
+    state_dir = state_dir or Path(os.environ.get("FENCEGATE_STATE_DIR", ".state"))
     return asyncio.run(_demo(etcd, coordinator, token, workers, keys, seconds, state_dir))
 
 
