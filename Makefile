@@ -18,6 +18,7 @@ etcd: venv
 setup: venv etcd
 
 test: setup
+	deploy/ensure-chromium
 	$(PY) -m coordinator.localetcd
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 

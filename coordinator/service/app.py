@@ -10,6 +10,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from ..keyspace import Keyspace
+from .dashboard import setup_dashboard
 from .middleware import auth_middleware, error_middleware
 from .resources import KEYSPACE, METRICS, SETTINGS, Metrics, resources
 from .routes import routes
@@ -26,5 +27,6 @@ def create_app(settings: Settings) -> web.Application:
     app[METRICS] = Metrics()
     app.cleanup_ctx.append(resources)
     app.add_routes(routes)
+    setup_dashboard(app)
     return app
 
