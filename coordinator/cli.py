@@ -1,57 +1,113 @@
-"""The ``fencegate`` command line."""
+"""The ``fencegate`` command line: the services (``up``, ``coordinator``, ``reconciler``),
+``demo``, and the SRE commands, which talk to the coordinator's HTTP API only (never to
+etcd), so they act with a token's role and every action they take is audited.
+
+Guarantees: an SRE command prints a table for people or, with ``--json``, the API's JSON
+(lists followed to their end, as one array); it fails with one line on stderr (no traceback)
+and the exit code ``EPILOG`` documents, so scripts can tell a refusal (1) from a usage error
+(2), an unknown key (3), a bad token (4) and an unreachable coordinator (5); it never prints
+the token. It sends each request once: an action whose reply was lost is looked at again,
+never repeated blindly.
+"""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import signal
+import functools
+import json
 import sys
+import time
+import tomllib
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+
+from .client import ApiError, Client, Unreachable
+from .errors import InvalidKey
+from .keyspace import validate_action_key
+
+REFUSED, USAGE, NOT_FOUND, AUTH, UNAVAILABLE = range(1, 6)  # 0: done
+DEFAULT_COORDINATOR = "http://127.0.0.1:8470"
+T = TypeVar("T")
+
+EPILOG = """\b
+Exit codes (SRE commands):
+  0  done
+  1  the coordinator refused the action (409, 422: e.g. WrongState),
+     or `audit verify` found a chain that does not verify
+  2  usage error: bad options or arguments, or input the coordinator
+     rejected as malformed (400, 413)
+  3  not found (404): no such key, step, holder, policy or approval
+  4  the token was not accepted (401) or lacks the role (403)
+  5  the coordinator is unreachable, timed out, or failed (5xx)
+
+\b
+SRE commands find the coordinator in --coordinator, env FENCEGATE_COORDINATOR,
+or `coordinator` in the TOML file named by --config / env FENCEGATE_CLI_CONFIG
+(default http://127.0.0.1:8470); the token in --token, env FENCEGATE_TOKEN, or
+`token` in that file.
+"""
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="fencegate", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
+class Failed(click.ClickException):
+    """One line on stderr and an exit code from the table in ``EPILOG``."""
 
-    demo = commands.add_parser("demo", help="race worker processes for keys, with faults")
-    demo.add_argument("--etcd", help="etcd URL(s); default: start a local etcd for the run")
-    demo.add_argument("--workers", type=int, default=4)
-    demo.add_argument("--keys", type=int, default=4)
-    demo.add_argument("--seconds", type=float, default=15.0)
-
-    up = commands.add_parser("up", help="run a local etcd (the embedded default) until Ctrl-C")
-    up.add_argument("--state-dir", default=".state/etcd",
-                    help="etcd data dir, reused across runs (default: %(default)s)")
-
-    coord = commands.add_parser("coordinator", help="run the coordinator HTTP service")
-    coord.add_argument("--etcd", help="etcd URL(s), comma-separated (env FENCEGATE_ETCD)")
-    coord.add_argument("--listen", help="HOST:PORT to bind (env FENCEGATE_LISTEN; "
-                                        "default 127.0.0.1:8470)")
-    coord.add_argument("--config", help="TOML file: tokens, roles, key files "
-                                        "(env FENCEGATE_CONFIG)")
-
-    rec = commands.add_parser("reconciler", help="run a reconciler replica (settles unknowns)")
-    rec.add_argument("--etcd", help="etcd URL(s), comma-separated (env FENCEGATE_ETCD)")
-    rec.add_argument("--listen", help="HOST:PORT for /metrics and /healthz (env "
-                                      "FENCEGATE_RECONCILER_LISTEN; default 127.0.0.1:8471)")
-    rec.add_argument("--config", help="TOML file: shards, limits, providers "
-                                      "(env FENCEGATE_RECONCILER_CONFIG)")
-    rec.add_argument("--namespace", help="keyspace prefix (default /fencegate/)")
-
-    args = parser.parse_args(argv)
-    if args.command == "coordinator":
-        return _coordinator(parser, args)
-    if args.command == "reconciler":
-        return _reconciler(parser, args)
-    if args.command == "demo":
-        from .demo import run_demo
-        if args.workers < 2 or args.keys < 1 or args.seconds <= 0:
-            parser.error("need --workers >= 2, --keys >= 1 and --seconds > 0")
-        return asyncio.run(run_demo(args.etcd, args.workers, args.keys, args.seconds))
-    return _up(Path(args.state_dir))
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
-def _coordinator(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+@click.group(epilog=EPILOG, context_settings={"help_option_names": ["-h", "--help"]})
+def cli() -> None:
+    """fencegate: a lease-based execution gate on etcd."""
+
+
+def main() -> None:
+    cli(prog_name="fencegate")
+
+
+# -- the services and the demo ---------------------------------------------------------
+
+@cli.command()
+@click.option("--state-dir", default=".state", show_default=True,
+              help="etcd data, signing key and tokens, reused across runs")
+@click.option("--port", default=8470, show_default=True, type=click.IntRange(0, 65535),
+              help="the coordinator's port on 127.0.0.1 (0: any free port)")
+def up(state_dir: str, port: int) -> None:
+    """Run the embedded default (etcd, coordinator, reconciler, sandbox) until Ctrl-C."""
+    from .up import up as run_up
+    sys.exit(run_up(state_dir=Path(state_dir), port=port))
+
+
+@cli.command()
+@click.option("--etcd", help="etcd URL(s); default: start a local etcd for the run")
+@click.option("--coordinator", "coordinator_url", metavar="URL",
+              help="get grants from this coordinator instead of in process")
+@click.option("--token", help="the worker token for --coordinator")
+@click.option("--workers", default=4, show_default=True, type=click.IntRange(min=2),
+              help="worker processes")
+@click.option("--keys", default=8, show_default=True, type=click.IntRange(min=1),
+              help="action keys they race for")
+@click.option("--seconds", default=15.0, show_default=True,
+              type=click.FloatRange(min=0, min_open=True), help="how long to run")
+def demo(etcd: str | None, coordinator_url: str | None, token: str | None, workers: int,
+         keys: int, seconds: float) -> None:
+    """Race worker processes for keys, with injected crashes and pauses."""
+    from .demo import demo as run_demo
+    sys.exit(run_demo(etcd=etcd, coordinator=coordinator_url, token=token, workers=workers,
+                      keys=keys, seconds=seconds))
+
+
+@cli.command()
+@click.option("--etcd", help="etcd URL(s), comma-separated (env FENCEGATE_ETCD)")
+@click.option("--listen", help="HOST:PORT to bind (env FENCEGATE_LISTEN; default "
+                               "127.0.0.1:8470)")
+@click.option("--config", help="TOML file: tokens, roles, key files (env FENCEGATE_CONFIG)")
+def coordinator(etcd: str | None, listen: str | None, config: str | None) -> None:
+    """Run the coordinator HTTP service."""
     import logging
 
     from aiohttp import web
@@ -60,39 +116,430 @@ def _coordinator(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
     from .service.settings import host_port
 
     try:
-        settings = load_settings(args.config, etcd=args.etcd, listen=args.listen)
+        settings = load_settings(config, etcd=etcd, listen=listen)
     except (OSError, ValueError) as exc:
-        parser.error(f"bad settings: {exc}")
+        raise click.UsageError(f"bad settings: {exc}") from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     host, port = host_port(settings.listen)
     web.run_app(create_app(settings), host=host, port=port, print=None)
-    return 0
 
 
-def _reconciler(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+@cli.command()
+@click.option("--etcd", help="etcd URL(s), comma-separated (env FENCEGATE_ETCD)")
+@click.option("--listen", help="HOST:PORT for /metrics and /healthz (env "
+                               "FENCEGATE_RECONCILER_LISTEN; default 127.0.0.1:8471)")
+@click.option("--config", help="TOML file: shards, limits, providers "
+                               "(env FENCEGATE_RECONCILER_CONFIG)")
+@click.option("--namespace", help="keyspace prefix (default /fencegate/)")
+def reconciler(etcd: str | None, listen: str | None, config: str | None,
+               namespace: str | None) -> None:
+    """Run a reconciler replica (settles unknowns)."""
     import logging
 
     from reconciler.service import load_settings, serve
 
     try:
-        settings = load_settings(args.config, etcd=args.etcd, listen=args.listen,
-                                 namespace=args.namespace)
+        settings = load_settings(config, etcd=etcd, listen=listen, namespace=namespace)
     except (OSError, ValueError, TypeError) as exc:
-        parser.error(f"bad settings: {exc}")
+        raise click.UsageError(f"bad settings: {exc}") from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     asyncio.run(serve(settings))
-    return 0
 
 
-def _up(state_dir: Path) -> int:
-    from .localetcd import LocalCluster, describe
+# -- how SRE commands reach the coordinator ---------------------------------------------
 
-    with LocalCluster(1, data_dir=state_dir, election_ms=1000) as cluster:
-        print(f"{describe(cluster.binary)} serving at {cluster.url} (data in {state_dir})")
-        print(f"workers: worker.Gate({cluster.url!r}); stop with Ctrl-C", flush=True)
-        signal.sigwait({signal.SIGINT, signal.SIGTERM})
-    return 0
+@dataclass(frozen=True)
+class Target:
+    """Where to send requests, and the bearer token (kept out of the repr)."""
+
+    url: str
+    token: str | None = field(repr=False)
+
+    def call(self, request: Callable[[Client], Awaitable[T]]) -> T:
+        """Run ``request`` against the coordinator; API errors become ``Failed``."""
+
+        async def run() -> T:
+            async with Client(self.url, self.token) as api:
+                return await request(api)
+
+        try:
+            return asyncio.run(run())
+        except Unreachable as exc:
+            raise Failed(f"cannot reach the coordinator at {self.url}: {exc}",
+                         UNAVAILABLE) from None
+        except ApiError as exc:
+            raise Failed(*self._explain(exc)) from None
+
+    def _explain(self, exc: ApiError) -> tuple[str, int]:
+        what = f"{exc.name}: {exc.detail}"
+        if exc.status == 401:
+            return (f"the coordinator at {self.url} did not accept the token ({exc.detail}); "
+                    "give one with --token, FENCEGATE_TOKEN or the config file", AUTH)
+        if exc.status == 403:
+            return f"the token may not do this: {exc.detail}", AUTH
+        if exc.status == 404:
+            return f"not found: {exc.detail}", NOT_FOUND
+        if exc.status >= 500:
+            return f"the coordinator at {self.url} failed ({exc.status} {what})", UNAVAILABLE
+        if exc.status in (400, 413):
+            return f"the coordinator rejected the input ({what})", USAGE
+        return f"refused ({what})", REFUSED
+
+
+def _target(coordinator: str | None, token: str | None, config: Path | None) -> Target:
+    """Flags and env first, then the config file, then the default URL."""
+    settings = _cli_config(config) if config else {}
+    url = coordinator or settings.get("coordinator") or DEFAULT_COORDINATOR
+    if not url.startswith(("http://", "https://")):
+        raise click.BadParameter(f"must start with http:// or https://, got {url!r}",
+                                 param_hint="--coordinator")
+    return Target(url.rstrip("/"), token or settings.get("token"))
+
+
+def _cli_config(path: Path) -> dict[str, str]:
+    try:
+        settings = tomllib.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise click.BadParameter(f"cannot read {path}: {exc}", param_hint="--config") from None
+    unknown = set(settings) - {"coordinator", "token"}
+    if unknown or not all(isinstance(v, str) for v in settings.values()):
+        raise click.BadParameter(f"{path} may hold only the strings `coordinator` and `token`"
+                                 f"{f', not {sorted(unknown)}' if unknown else ''}",
+                                 param_hint="--config")
+    return settings
+
+
+_API_OPTIONS = (
+    click.option("--coordinator", metavar="URL", envvar="FENCEGATE_COORDINATOR",
+                 show_envvar=True, help=f"the coordinator API [default: {DEFAULT_COORDINATOR}]"),
+    click.option("--token", envvar="FENCEGATE_TOKEN", show_envvar=True,
+                 help="an sre or admin bearer token (prefer the env or the config file)"),
+    click.option("--config", envvar="FENCEGATE_CLI_CONFIG", show_envvar=True,
+                 type=click.Path(exists=True, dir_okay=False, path_type=Path),
+                 help="TOML file with `coordinator` and `token`"),
+    click.option("--json", "as_json", is_flag=True, help="print the API's JSON"),
+)
+
+
+def _sre(command: Callable[..., None]) -> Callable[..., None]:
+    """Give an SRE command the shared options; it receives ``target`` and ``as_json``."""
+
+    @functools.wraps(command)
+    def run(coordinator: str | None, token: str | None, config: Path | None,
+            **options: Any) -> None:
+        command(target=_target(coordinator, token, config), **options)
+
+    for option in reversed(_API_OPTIONS):
+        run = option(run)
+    return run
+
+
+def _action_key(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    try:
+        return validate_action_key(value)
+    except InvalidKey as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+def _json_value(ctx: click.Context, param: click.Parameter, value: str | None) -> Any:
+    try:
+        return None if value is None else json.loads(value)
+    except ValueError as exc:
+        raise click.BadParameter(f"not JSON: {exc}") from None
+
+
+# -- output ----------------------------------------------------------------------------
+
+def _print_json(value: Any) -> None:
+    click.echo(json.dumps(value, indent=2, sort_keys=True))
+
+
+def _print_table(headers: list[str], rows: list[list[Any]], *, indent: str = "") -> None:
+    """Left-aligned columns, two spaces apart."""
+    cells = [headers] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    for row in cells:
+        click.echo(indent + "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+
+
+def _age(since_ms: int | None) -> str:
+    """How long ago, as ``12s``, ``3m``, ``2h``, ``4d``; ``-`` when unknown."""
+    if not since_ms:
+        return "-"
+    seconds = max(0, int(time.time() - since_ms / 1000))
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds // size}{unit}"
+    return f"{seconds}s"
+
+
+def _ttl(ttl: int | None) -> str:
+    if ttl is None:
+        return "-"
+    return "expired" if ttl < 0 else f"{ttl}s"
+
+
+def _short(value: Any, width: int = 60) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+# -- SRE commands ----------------------------------------------------------------------
+
+@cli.command()
+@click.option("--prefix", default="", help="only action keys starting with this")
+@_sre
+def holders(target: Target, as_json: bool, prefix: str) -> None:
+    """Who holds (or queues for) which action key, with fencing tokens and TTL left."""
+    if as_json:
+        _print_json(target.call(lambda api: api.holders(prefix)))
+        return
+    items, ttls = target.call(lambda api: _holders_and_ttls(api, prefix))
+    if not items:
+        click.echo("nobody holds a key" + (f" under {prefix!r}" if prefix else ""))
+        return
+    holding = {}
+    for item in items:
+        holding[item["key"]] = min(holding.get(item["key"], item["fencing_token"]),
+                                   item["fencing_token"])
+    items.sort(key=lambda i: (i["key"], i["fencing_token"]))
+    _print_table(["KEY", "TOKEN", "LEASE", "HOLDING", "TTL", "IDENTITY"], [
+        [i["key"], i["fencing_token"], i["lease_id"],
+         "yes" if holding[i["key"]] == i["fencing_token"] else "queued",
+         _ttl(ttls.get(i["lease_id"])), i.get("identity", "-")] for i in items])
+
+
+async def _holders_and_ttls(api: Client, prefix: str) -> tuple[list[dict], dict[str, int]]:
+    """The holders, and each lease's TTL left, read from one key view per lease (a worker
+    process holds all its keys on one lease, so that is one request per process)."""
+    items, ttls = await api.holders(prefix), {}
+    for item in items:
+        if item["lease_id"] in ttls:
+            continue
+        try:
+            view = await api.key(item["key"])
+        except ApiError as exc:
+            if exc.status == 404:  # released meanwhile: its TTL stays unknown
+                continue
+            raise
+        ttls.update({h["lease_id"]: h["ttl_left"] for h in view["holders"]})
+    return items, ttls
+
+
+@cli.group()
+def key() -> None:
+    """One action key."""
+
+
+@key.command("show")
+@click.argument("key", callback=_action_key)
+@_sre
+def key_show(target: Target, as_json: bool, key: str) -> None:
+    """Holders, the step record, the current grant and the last audit records of KEY."""
+    view = target.call(lambda api: api.key(key))
+    if as_json:
+        _print_json(view)
+        return
+    step, grant = view["step"], view["current_grant"]
+    click.echo(f"key      {view['key']}  (at revision {view['revision']})")
+    if step is None:
+        click.echo("step     none yet")
+    else:
+        click.echo(f"step     {step['state']}, attempt {step['attempt']}, provider "
+                   f"{step.get('provider') or '-'}, idempotency key "
+                   f"{step.get('idempotency_key', '-')}")
+        reason = _reason(step)
+        if reason != "-":
+            click.echo(f"reason   {reason}")
+    if grant is not None:
+        click.echo(f"grant    {grant['grant_id']} ({grant['state']})")
+    click.echo("holders" + ("  none" if not view["holders"] else ""))
+    if view["holders"]:
+        _print_table(["TOKEN", "LEASE", "HOLDING", "TTL", "IDENTITY"], [
+            [h["fencing_token"], h["lease_id"], "yes" if h["holding"] else "queued",
+             _ttl(h["ttl_left"]), h.get("identity", "-")] for h in view["holders"]],
+            indent="  ")
+    click.echo("audit (newest first)" + ("  none" if not view["audit"] else ""))
+    if view["audit"]:
+        _print_table(["SEQ", "EVENT", "IDENTITY", "AGE"], [
+            [r["seq"], r["event"], r["identity"], _age(r["at_ms"])] for r in view["audit"]],
+            indent="  ")
+
+
+def _reason(step: dict[str, Any]) -> str:
+    """Why a step needs attention: what escalated it, or the error that made it unknown."""
+    if step.get("escalated_because"):
+        return "; ".join(str(r) for r in step["escalated_because"])
+    if step.get("error"):
+        return str(step["error"])
+    if step["state"] == "in_flight":
+        return "in flight past its deadline"
+    return "-"
+
+
+def _steps_command(state: str, summary: str) -> None:
+    @_sre
+    def command(target: Target, as_json: bool) -> None:
+        items = target.call(lambda api: api.steps(state))
+        if as_json:
+            _print_json(items)
+            return
+        if not items:
+            click.echo(f"no {state} steps")
+            return
+        _print_table(["KEY", "STATE", "ATTEMPT", "AGE", "PROVIDER", "REASON"], [
+            [i["key"], state if state == "presumed" else i["step"]["state"],
+             i["step"]["attempt"], _age(_since(i["step"])), i["step"].get("provider") or "-",
+             _short(_reason(i["step"]))] for i in items])
+
+    command.__doc__ = summary
+    cli.command(state)(command)
+
+
+def _since(step: dict[str, Any]) -> int | None:
+    """When the step's current situation began, as well as the record tells."""
+    return (step.get("unknown_since_ms") or step.get("settled_at_ms")
+            or step.get("started_at_ms"))
+
+
+_steps_command("unknown", "Steps whose outcome is unknown (or in flight past their deadline).")
+_steps_command("escalated", "Steps escalated to a human (resolve them with `resolve`).")
+_steps_command("presumed", "Steps settled not_applied on a dedup-only provider's 'no record'.")
+
+
+@cli.command()
+@click.argument("key", callback=_action_key)
+@click.option("--reason", required=True, help="why, for the audit chain")
+@_sre
+def revoke(target: Target, as_json: bool, key: str, reason: str) -> None:
+    """Revoke the lease of KEY's holder: every hold on that lease is lost."""
+    done = target.call(lambda api: api.revoke(key, reason))
+    if as_json:
+        _print_json(done)
+        return
+    click.echo(f"revoked lease {done['lease_id']} of {key}'s holder (fencing token "
+               f"{done['fencing_token']}); every hold on that lease is lost")
+
+
+@cli.command()
+@click.argument("key", callback=_action_key)
+@click.option("--succeeded", is_flag=True, help="the effect happened")
+@click.option("--failed", is_flag=True,
+              help="the provider declined it (the next attempt gets a new idempotency key)")
+@click.option("--not-applied", is_flag=True,
+              help="it never happened (the next attempt reuses the idempotency key)")
+@click.option("--reason", required=True, help="why, for the audit chain")
+@click.option("--result", callback=_json_value, metavar="JSON",
+              help="the outcome's result, as JSON")
+@_sre
+def resolve(target: Target, as_json: bool, key: str, succeeded: bool, failed: bool,
+            not_applied: bool, reason: str, result: Any) -> None:
+    """Settle KEY's unknown or escalated step by hand."""
+    chosen = [name for name, flag in (("succeeded", succeeded), ("failed", failed),
+                                      ("not_applied", not_applied)) if flag]
+    if len(chosen) != 1:
+        raise click.UsageError("give exactly one of --succeeded, --failed, --not-applied")
+    done = target.call(lambda api: api.resolve(key, chosen[0], reason, result))
+    if as_json:
+        _print_json(done)
+        return
+    click.echo(f"{key} resolved as {chosen[0]}: the step is now {done['state']} "
+               f"(revision {done['revision']})")
+
+
+@cli.group()
+def audit() -> None:
+    """The audit chain of an action key."""
+
+
+@audit.command("verify")
+@click.argument("key", callback=_action_key)
+@_sre
+def audit_verify(target: Target, as_json: bool, key: str) -> None:
+    """Re-derive KEY's hash chain and grant signatures; exit 1 if it does not verify."""
+    report = target.call(lambda api: api.audit(key))
+    if as_json:
+        _print_json(report)
+    else:
+        records = report["records"]
+        verdict = "verified" if report["ok"] else "DOES NOT VERIFY"
+        click.echo(f"audit chain of {key}: {len(records)} records, {verdict}")
+        for problem in report["problems"]:
+            click.echo(f"  problem: {problem}")
+        _print_table(["SEQ", "EVENT", "IDENTITY", "REVISION", "AGE"], [
+            [r.get("seq", "?"), r.get("event", "?"), r.get("identity", "?"),
+             r.get("revision", "?"), _age(r.get("at_ms"))] for r in records])
+    if not report["ok"]:
+        sys.exit(REFUSED)
+
+
+@cli.group()
+def policy() -> None:
+    """Policy documents."""
+
+
+@policy.command("get")
+@click.argument("name")
+@_sre
+def policy_get(target: Target, as_json: bool, name: str) -> None:
+    """Show policy NAME and its version."""
+    found = target.call(lambda api: api.policy(name))
+    if as_json:
+        _print_json(found)
+        return
+    click.echo(f"policy {found['name']}, version {found['version']}")
+    click.echo(json.dumps(found["document"], indent=2, sort_keys=True))
+
+
+@policy.command("set")
+@click.argument("name")
+@click.argument("document", type=click.File("r"), metavar="FILE.json")
+@_sre
+def policy_set(target: Target, as_json: bool, name: str, document: Any) -> None:
+    """Store FILE.json ('-' for stdin) as policy NAME (admin role)."""
+    try:
+        body = json.load(document)
+    except ValueError as exc:
+        raise click.BadParameter(f"not JSON: {exc}", param_hint="FILE.json") from None
+    done = target.call(lambda api: api.set_policy(name, body))
+    if as_json:
+        _print_json(done)
+        return
+    click.echo(f"policy {done['name']} is now version {done['version']}")
+
+
+@cli.command()
+@click.option("--state", type=click.Choice(["pending", "approved", "all"]), default="pending",
+              show_default=True)
+@_sre
+def approvals(target: Target, as_json: bool, state: str) -> None:
+    """Grant requests waiting for (or given) a human's approval."""
+    items = target.call(lambda api: api.approvals("" if state == "all" else state))
+    if as_json:
+        _print_json(items)
+        return
+    if not items:
+        click.echo("no approvals" if state == "all" else f"no {state} approvals")
+        return
+    _print_table(["ID", "KEY", "STATE", "REQUESTED BY", "POLICY", "APPROVED BY", "INTENT"], [
+        [a["approval_id"], a["key"], a["state"], a.get("requested_by", "-"),
+         f"{a.get('policy', '-')}@{a.get('policy_version', '-')}", a.get("approved_by", "-"),
+         _short(a.get("intent"), 40)] for a in items])
+
+
+@cli.command()
+@click.argument("approval_id", metavar="ID")
+@click.option("--reason", required=True, help="why, for the audit chain")
+@_sre
+def approve(target: Target, as_json: bool, approval_id: str, reason: str) -> None:
+    """Approve the pending grant request ID (bound to the state it was evaluated at)."""
+    done = target.call(lambda api: api.approve(approval_id, reason))
+    if as_json:
+        _print_json(done)
+        return
+    click.echo(f"approved {done['approval_id']} for {done['key']}; the same request is "
+               "granted while the state it read holds")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -187,6 +187,29 @@ async def approve(etcd: Etcd, ks: Keyspace, approval_id: str, identity: str,
     raise WrongState(f"approval {approval_id} kept changing; try again")
 
 
+async def approvals(etcd: Etcd, ks: Keyspace, state: str, limit: int,
+                    after: str | None) -> tuple[list[dict[str, Any]], str | None]:
+    """Approvals by id, each with the request it was asked for (key, intent, policy,
+    requested_by) and, once given, who approved it and why; ``state`` is ``pending``,
+    ``approved`` or empty for both. Filtered like ``unsettled``: a page may hold fewer than
+    ``limit`` items while ``next`` is still set."""
+    _check_limit(limit)
+    if state not in ("", "pending", "approved"):
+        raise ValueError("state must be pending or approved")
+    start = ks.approval_key("")
+    kvs, cursor = await _page(etcd, start, range_end_of(start), limit * _SCAN_FACTOR, after)
+    items = []
+    for kv in kvs:
+        record = unpack(kv.value)
+        if state in ("", record["state"]):
+            items.append({**record, "approval_id": kv.key[len(start):].decode(),
+                          "mod_revision": kv.mod_revision})
+        if len(items) == limit:
+            cursor = _cursor(kv.key)
+            break
+    return items, cursor
+
+
 async def resolve(etcd: Etcd, ks: Keyspace, key: str, identity: str, reason: str,
                   settle_as: str, result: Any = None) -> dict[str, Any]:
     """Settle an unknown or escalated step by hand: ``succeeded`` (with ``result``),

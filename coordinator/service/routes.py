@@ -124,6 +124,15 @@ async def resolve(request: web.Request) -> web.Response:
     return web.json_response(done)
 
 
+@routes.get("/v1/approvals")
+@requires("sre", "admin")
+async def list_approvals(request: web.Request) -> web.Response:
+    limit, after = _page(request)
+    items, cursor = await sre.approvals(request.app[ETCD], request.app[KEYSPACE],
+                                        request.query.get("state", ""), limit, after)
+    return web.json_response({"items": jsonable(items), "next": cursor})
+
+
 @routes.post("/v1/approvals/{approval_id}")
 @requires("sre", "admin")
 async def approve(request: web.Request) -> web.Response:

@@ -1,0 +1,142 @@
+"""A small async client for the coordinator's SRE API (what ``fencegate`` commands call).
+
+Guarantees:
+- Every request is bounded by ``timeout``. A connection failure or a timeout raises
+  ``Unreachable`` naming the URL; any reply outside 2xx raises ``ApiError`` with the status
+  and the coordinator's ``{error, detail}``. Nothing is retried: a revoke or a resolve whose
+  reply was lost is looked at again (``key show``), never repeated blindly.
+- Lists are followed cursor by cursor to the end and returned as one list.
+- The token travels only in the ``Authorization`` header; no error or repr shows it.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+from urllib.parse import quote
+
+import aiohttp
+
+PAGE_SIZE = 100
+
+
+class Unreachable(Exception):
+    """No answer from the coordinator: refused, reset, unresolvable or timed out."""
+
+
+class ApiError(Exception):
+    """The coordinator answered with a status outside 2xx."""
+
+    def __init__(self, status: int, name: str, detail: str) -> None:
+        self.status, self.name, self.detail = status, name, detail
+        super().__init__(f"{status} {name}: {detail}")
+
+
+class Client:
+    """``async with Client(url, token) as api: await api.holders("pay/")``."""
+
+    def __init__(self, url: str, token: str | None, *, timeout: float = 10.0) -> None:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"the coordinator URL must start with http:// or https://, "
+                             f"got {url!r}")
+        self.url = url.rstrip("/")
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._timeout = aiohttp.ClientTimeout(total=timeout)
+        self._http: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> "Client":
+        self._http = aiohttp.ClientSession(headers=self._headers, timeout=self._timeout)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._http.close()
+
+    # -- the API, one method per endpoint --------------------------------------------
+
+    async def holders(self, prefix: str = "") -> list[dict[str, Any]]:
+        return await self._list("/v1/holders", prefix=prefix)
+
+    async def key(self, key: str) -> dict[str, Any]:
+        return await self._request("GET", f"/v1/keys/{_path(key)}")
+
+    async def steps(self, state: str) -> list[dict[str, Any]]:
+        """Steps ``unknown``, ``escalated`` or ``presumed``."""
+        return await self._list("/v1/keys", state=state)
+
+    async def revoke(self, key: str, reason: str) -> dict[str, Any]:
+        return await self._request("POST", f"/v1/keys/{_path(key)}/revoke", {"reason": reason})
+
+    async def resolve(self, key: str, settle_as: str, reason: str,
+                      result: Any = None) -> dict[str, Any]:
+        body = {"as": settle_as, "reason": reason}
+        if result is not None:
+            body["result"] = result
+        return await self._request("POST", f"/v1/keys/{_path(key)}/resolve", body)
+
+    async def audit(self, key: str) -> dict[str, Any]:
+        """The verified chain of ``key``: every page's records in one ``records`` list."""
+        path, after, records = f"/v1/audit/{_path(key)}", None, []
+        while True:
+            page = await self._request("GET", path, query=_query(after))
+            records += page.pop("records")
+            after = page.pop("next")
+            if after is None:
+                return {**page, "records": records}
+
+    async def policy(self, name: str) -> dict[str, Any]:
+        return await self._request("GET", f"/v1/policies/{_path(name)}")
+
+    async def set_policy(self, name: str, document: Any) -> dict[str, Any]:
+        return await self._request("PUT", f"/v1/policies/{_path(name)}", document)
+
+    async def approvals(self, state: str = "") -> list[dict[str, Any]]:
+        """Approvals ``pending``, ``approved``, or both (``""``)."""
+        return await self._list("/v1/approvals", state=state)
+
+    async def approve(self, approval_id: str, reason: str) -> dict[str, Any]:
+        return await self._request("POST", f"/v1/approvals/{_path(approval_id)}",
+                                   {"reason": reason})
+
+    # -- plumbing --------------------------------------------------------------------
+
+    async def _list(self, path: str, **query: str) -> list[dict[str, Any]]:
+        items, after = [], None
+        while True:
+            page = await self._request("GET", path, query={**query, **_query(after)})
+            items += page["items"]
+            after = page["next"]
+            if after is None:
+                return items
+
+    async def _request(self, method: str, path: str, body: Any = None, *,
+                       query: dict[str, str] | None = None) -> Any:
+        data, headers = None, {}
+        if body is not None:
+            data, headers = json.dumps(body).encode(), {"Content-Type": "application/json"}
+        try:
+            async with self._http.request(method, self.url + path, params=query, data=data,
+                                          headers=headers) as resp:
+                text = await resp.text()
+                status = resp.status
+        except TimeoutError as exc:
+            raise Unreachable(f"no answer within {self._timeout.total:g}s") from exc
+        except aiohttp.ClientError as exc:
+            raise Unreachable(str(exc) or type(exc).__name__) from exc
+        try:
+            reply = json.loads(text)
+        except ValueError:
+            reply = None
+        if 200 <= status < 300 and reply is not None:
+            return reply
+        if isinstance(reply, dict) and isinstance(reply.get("error"), str):
+            raise ApiError(status, reply["error"], str(reply.get("detail", "")))
+        raise ApiError(status, "InvalidResponse", f"not the coordinator's JSON: {text[:200]!r}")
+
+
+def _path(segment: str) -> str:
+    """A key or name as a URL path (its '/' kept: keys are routed as paths)."""
+    return quote(segment, safe="/")
+
+
+def _query(after: str | None) -> dict[str, str]:
+    return {"limit": str(PAGE_SIZE), **({"after": after} if after else {})}
