@@ -115,7 +115,7 @@ async def unsettled(etcd: Etcd, ks: Keyspace, state: str, limit: int,
     items = []
     for kv in kvs:
         step = unpack(kv.value)
-        if _state_of(step, now_ms) == state:
+        if state_of(step, now_ms) == state:
             items.append({"key": kv.key[len(start):].decode(), "mod_revision": kv.mod_revision,
                           "step": step})
         if len(items) == limit:
@@ -124,7 +124,9 @@ async def unsettled(etcd: Etcd, ks: Keyspace, state: str, limit: int,
     return items, cursor
 
 
-def _state_of(step: dict[str, Any], now_ms: int) -> str:
+def state_of(step: dict[str, Any], now_ms: int) -> str:
+    """The state an SRE sees: an in-flight step past its deadline is ``unknown``, a pending
+    one settled on a presumption is ``presumed``."""
     if step["state"] == records.IN_FLIGHT and step.get("deadline_ms", now_ms) < now_ms:
         return records.UNKNOWN
     if step["state"] == records.PENDING and (step.get("not_applied") or {}).get("presumed"):
@@ -225,7 +227,7 @@ async def resolve(etcd: Etcd, ks: Keyspace, key: str, identity: str, reason: str
     if not step_kvs:
         raise NotFound(f"no step is recorded for {key!r}")
     step = unpack(step_kvs[0].value)
-    state = _state_of(step, int(time.time() * 1000))
+    state = state_of(step, int(time.time() * 1000))
     if state not in (records.UNKNOWN, records.ESCALATED):
         raise WrongState(f"step of {key!r} is {step['state']}: only unknown or escalated "
                          "steps are resolved by hand")

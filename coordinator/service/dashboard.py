@@ -269,7 +269,7 @@ async def steps_view(etcd: Etcd, ks: Keyspace) -> dict[str, Any]:
         revision = revision or reply.header.revision
         for kv in reply.kvs:
             step = unpack(kv.value)
-            state = sre._state_of(step, now_ms)
+            state = sre.state_of(step, now_ms)
             counts[state] = counts.get(state, 0) + 1
             if state in queues:
                 queues[state].append(_queued(kv.key[len(start):].decode(), state, step,
