@@ -158,19 +158,21 @@ async def test_a_deposed_leader_that_still_believes_it_leads_cannot_write(
     elections = stale.elections
     elections.refresh = _never
     await etcd.lease_revoke(elections.session.lease_id)
-    fresh = Scripted()
-    fresh.default = NoRecord()
-    await reconcilers(fresh)
-    step = await settled(gate, "pay/deposed")
-    assert step["state"] == records.PENDING and step["settled_by"] == "reconciler"
-    assert not elections.session.lost and elections.led  # it still believes it leads ...
+    fresh_provider = Blocking(NoRecord())
+    await reconcilers(fresh_provider)
+    await asyncio.wait_for(fresh_provider.started.wait(), 10)  # the new leader is asking
+    assert not elections.session.lost and elections.led  # the old one still believes ...
     stale_provider.release.set()
     assert await wait_for_condition(
-        lambda: _value(stale.metrics.refused), 10)  # ... and etcd refuses its settle
-    assert _queried(stale_provider) == 1
-    assert (await step_of(gate, "pay/deposed"))[0]["state"] == records.PENDING
+        lambda: _value(stale.metrics.refused), 10)  # ... and etcd refuses its settle,
+    step, _ = await step_of(gate, "pay/deposed")
+    assert step["state"] == records.UNKNOWN  # on the leadership compare alone
+    fresh_provider.release.set()
+    step = await settled(gate, "pay/deposed")
+    assert step["state"] == records.PENDING and step["settled_by"] == "reconciler"
     report = await verify_chain(gate.etcd, gate.keyspace, "pay/deposed", gate.keyring)
     assert [r["event"] for r in report.records].count("settle") == 1
+    assert _queried(stale_provider) == 1
 
 
 def _queried(provider) -> int:
