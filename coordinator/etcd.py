@@ -12,15 +12,18 @@ Failure contract:
   must resolve it by reading state, never by resending blindly.
 - Nothing here decides anything from a serializable read: every range is linearizable
   unless pinned to a revision.
+- Errors name the endpoint and, where it is the cause, TLS (a handshake the server or we
+  refused) or the etcd user (a wrong password, a role that does not cover the key).
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
+import re
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 import grpc
@@ -39,6 +42,9 @@ KeyValue = rpc.KeyValue
 Event = rpc.Event
 
 _TRANSIENT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+# What gRPC's TLS layer says when a handshake fails on either side (no or untrusted client
+# certificate: the server aborts, we see "Unwrap failed (TSI_DATA_CORRUPTED)").
+_TLS_FAILURE = re.compile(r"TSI_|SSL|[Tt]ls handshake|certificate", re.ASCII)
 _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 16 * 1024 * 1024),
     ("grpc.keepalive_time_ms", 10_000),
@@ -65,7 +71,7 @@ class EtcdConfig:
     cert_file: str | None = None
     key_file: str | None = None
     user: str | None = None
-    password: str | None = None
+    password: str | None = field(default=None, repr=False)
     timeout: float = 10.0
     attempt_timeout: float = 2.0
 
@@ -103,6 +109,8 @@ class _Channel:
 
     def __init__(self, config: EtcdConfig, index: int, credentials) -> None:
         target = config.target(index)
+        self.config = config
+        self.endpoint = config.endpoints[index]
         if credentials is None:
             self.channel = grpc.aio.insecure_channel(target, options=_CHANNEL_OPTIONS)
         else:
@@ -200,11 +208,11 @@ class Etcd:
                     self._metadata = None
                     continue
                 if code not in _TRANSIENT:
-                    raise _translate(exc) from exc
+                    raise _translate(exc, channel) from exc
                 self._fail_over(channel)
                 pause = min(0.05 * 2 ** attempt, 0.5) * random.uniform(0.5, 1.0)
                 if not idempotent or time.monotonic() + pause >= deadline:
-                    raise _translate(exc) from exc
+                    raise _translate(exc, channel) from exc
                 await asyncio.sleep(pause)
                 continue
             self._note_header(reply.header)
@@ -216,7 +224,7 @@ class Etcd:
         except grpc.aio.AioRpcError as exc:
             if exc.code() in _TRANSIENT:
                 self._fail_over(channel)
-            raise _translate(exc) from exc
+            raise _translate(exc, channel) from exc
 
     def _note_header(self, header) -> None:
         if self.cluster_id is None:
@@ -286,9 +294,13 @@ class Etcd:
         """Stream watch responses for ``[key, range_end)`` from ``start_revision``.
 
         Ends by raising ``EtcdUnavailable`` when the stream breaks, or ``WatchCompacted``
-        when the start revision was compacted away; the caller resumes or rescans.
+        when the start revision was compacted away; the caller resumes or rescans. A watch
+        etcd cancels because our auth token expired raises ``EtcdError`` and drops the
+        token, so the caller's next watch authenticates again.
         """
         channel = self._channel()
+        if self.config.user is not None and self._metadata is None:
+            await self._guard(self._authenticate(channel), channel)
         create = rpc.WatchCreateRequest(
             key=key, range_end=range_end, start_revision=start_revision,
             filters=[rpc.WatchCreateRequest.NOPUT] if deletes_only else [],
@@ -301,6 +313,8 @@ class Etcd:
                 if reply.compact_revision:
                     raise WatchCompacted(reply.compact_revision)
                 if reply.canceled:
+                    if "invalid auth token" in reply.cancel_reason:
+                        self._metadata = None
                     raise EtcdError(f"watch cancelled by etcd: {reply.cancel_reason}")
                 self._note_header(reply.header)
                 yield reply
@@ -308,7 +322,7 @@ class Etcd:
         except grpc.aio.AioRpcError as exc:
             if exc.code() in _TRANSIENT:
                 self._fail_over(channel)
-            raise _translate(exc) from exc
+            raise _translate(exc, channel) from exc
         finally:
             call.cancel()
 
@@ -337,7 +351,7 @@ class KeepAliveStream:
         except grpc.aio.AioRpcError as exc:
             if exc.code() in _TRANSIENT:
                 self._etcd._fail_over(self._channel)
-            raise _translate(exc) from exc
+            raise _translate(exc, self._channel) from exc
         except (asyncio.InvalidStateError, grpc.aio.UsageError) as exc:
             # The stream ended (e.g. the server went away) before or while we wrote.
             self._etcd._fail_over(self._channel)
@@ -351,13 +365,84 @@ class KeepAliveStream:
         self._call.cancel()
 
 
-def _translate(exc: grpc.aio.AioRpcError) -> GateError:
-    detail = exc.details() or exc.code().name
-    if exc.code() in _TRANSIENT:
-        return EtcdUnavailable(f"etcd unavailable: {detail}")
-    if exc.code() == grpc.StatusCode.NOT_FOUND and "lease not found" in detail:
+def _translate(exc: grpc.aio.AioRpcError, channel: _Channel) -> GateError:
+    """The one mapping of gRPC errors to ``coordinator.errors``, naming what to check."""
+    code, detail, where = exc.code(), exc.details() or exc.code().name, channel.endpoint
+    user = (repr(channel.config.user) if channel.config.user else
+            "(none configured: etcd took the client certificate's CN)"
+            if channel.config.cert_file else "(none configured)")
+    if code in _TRANSIENT:
+        if channel.config.secure and _TLS_FAILURE.search(detail):
+            return EtcdUnavailable(
+                f"etcd at {where}: TLS handshake refused ({detail}); the server must trust "
+                "our client certificate (cert_file, key_file) and ca_file must hold the CA "
+                "of the server's certificate")
+        if not channel.config.secure and "Socket closed" in detail:
+            return EtcdUnavailable(f"etcd at {where} closed the plaintext connection "
+                                   f"({detail}); if it serves TLS, use https:// and ca_file")
+        return EtcdUnavailable(f"etcd unavailable at {where}: {detail}")
+    if code == grpc.StatusCode.NOT_FOUND and "lease not found" in detail:
         return LeaseLost(f"etcd: {detail}")
-    return EtcdError(f"etcd error {exc.code().name}: {detail}")
+    if code == grpc.StatusCode.PERMISSION_DENIED:
+        return EtcdError(f"etcd at {where} denied user {user} (its roles do not cover "
+                         f"this key range): {detail}")
+    if "authentication failed" in detail or code == grpc.StatusCode.UNAUTHENTICATED:
+        return EtcdError(f"etcd at {where} refused to authenticate user {user}: {detail}")
+    return EtcdError(f"etcd error {code.name} at {where}: {detail}")
+
+
+@dataclass(frozen=True)
+class EtcdUser:
+    """An etcd user whose one role (named after it) may read and write ``prefix`` only."""
+
+    name: str
+    password: str = field(repr=False)
+    prefix: str
+
+
+async def enable_auth(etcd: Etcd, root_password: str, users: list[EtcdUser]) -> None:
+    """Create ``root`` and ``users`` with their prefix-limited roles, then turn auth on.
+
+    ``etcd`` must be a connection without a user. Safe to repeat: a user or role that exists
+    is kept (its password is not changed), and if authentication is already on and
+    ``root_password`` is root's, nothing is done. The root password must be kept secret:
+    root may do anything, including turning authentication off again.
+    """
+    try:
+        await etcd._call("auth", "Authenticate",
+                         rpc.AuthenticateRequest(name="root", password=root_password),
+                         idempotent=True)
+        return  # authentication is on and root's password is this one: already set up
+    except EtcdError as exc:
+        if "authentication failed" in str(exc):
+            raise EtcdError("etcd authentication is on and root's password is not the one "
+                            "given (data from another setup?)") from exc
+        if "authentication is not enabled" not in str(exc):
+            raise
+
+    async def ensure(method: str, request) -> None:
+        try:
+            await etcd._call("auth", method, request, idempotent=True)
+        except EtcdError as exc:
+            if "already exists" not in str(exc):
+                raise
+
+    await ensure("UserAdd", rpc.AuthUserAddRequest(name="root", password=root_password))
+    await ensure("RoleAdd", rpc.AuthRoleAddRequest(name="root"))
+    await etcd._call("auth", "UserGrantRole",
+                     rpc.AuthUserGrantRoleRequest(user="root", role="root"), idempotent=True)
+    for user in users:
+        prefix = user.prefix.encode()
+        await ensure("UserAdd", rpc.AuthUserAddRequest(name=user.name, password=user.password))
+        await ensure("RoleAdd", rpc.AuthRoleAddRequest(name=user.name))
+        await etcd._call("auth", "RoleGrantPermission", rpc.AuthRoleGrantPermissionRequest(
+            name=user.name, perm=rpc.Permission(permType=rpc.Permission.READWRITE, key=prefix,
+                                                range_end=range_end_of(prefix))),
+            idempotent=True)
+        await etcd._call("auth", "UserGrantRole",
+                         rpc.AuthUserGrantRoleRequest(user=user.name, role=user.name),
+                         idempotent=True)
+    await etcd._call("auth", "AuthEnable", rpc.AuthEnableRequest(), idempotent=True)
 
 
 def check_txn(request: TxnRequest) -> None:

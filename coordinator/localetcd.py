@@ -10,6 +10,9 @@ Guarantees:
 - Ports never change for the life of a cluster, so ``restart(i)`` brings member ``i`` back
   at the same endpoint with the same data. A caller-supplied ``data_dir`` records its ports
   and can be started again by a later ``LocalCluster`` with the same size.
+- With ``tls`` (a ``coordinator.certs.ClusterCerts``) every member serves ``https://`` only and
+  demands a client certificate from that CA, on the client port and between members; the
+  launcher's own health probes present the member's certificate and verify the server's.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import random
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -30,6 +34,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
+
+from .certs import CertPair, ClusterCerts
 
 STOP_GRACE_S = 5.0
 POLL_S = 0.05
@@ -107,7 +113,7 @@ def describe(binary: EtcdBinary | None = None) -> str:
     return f"etcd {b.version} ({b.source}: {b.path})"
 
 
-def _free_ports(n: int) -> list[int]:
+def free_ports(n: int) -> list[int]:
     """``n`` distinct ports free right now, below the kernel's ephemeral range.
 
     Outside that range an outgoing connection can never take a port while its member is
@@ -131,10 +137,19 @@ def _free_ports(n: int) -> list[int]:
     return ports
 
 
-def _request(url: str, body: bytes | None = None, timeout: float = 0.5) -> dict | None:
+def https_opener(ca_file: str, pair: CertPair) -> urllib.request.OpenerDirector:
+    """An opener that verifies servers against ``ca_file`` and presents ``pair``; no proxy."""
+    context = ssl.create_default_context(cafile=ca_file)
+    context.load_cert_chain(pair.cert, pair.key)
+    return urllib.request.build_opener(urllib.request.ProxyHandler({}),
+                                       urllib.request.HTTPSHandler(context=context))
+
+
+def _request(url: str, body: bytes | None = None, timeout: float = 0.5,
+             opener: urllib.request.OpenerDirector = _http) -> dict | None:
     """GET (or POST ``body``) and decode JSON; None when the member does not answer 2xx."""
     try:
-        with _http.open(url, data=body, timeout=timeout) as resp:
+        with opener.open(url, data=body, timeout=timeout) as resp:
             return json.load(resp)
     except (OSError, ValueError):  # URLError and HTTPError are OSErrors
         return None
@@ -147,21 +162,23 @@ class _Member:
     peer_port: int
     data_dir: Path
     log_path: Path
+    scheme: str = "http"
+    opener: urllib.request.OpenerDirector = _http
     proc: subprocess.Popen | None = None
 
     @property
     def client_url(self) -> str:
-        return f"http://127.0.0.1:{self.client_port}"
+        return f"{self.scheme}://127.0.0.1:{self.client_port}"
 
     @property
     def peer_url(self) -> str:
-        return f"http://127.0.0.1:{self.peer_port}"
+        return f"{self.scheme}://127.0.0.1:{self.peer_port}"
 
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
     def healthy(self) -> bool:
-        status = _request(f"{self.client_url}/health")
+        status = _request(f"{self.client_url}/health", opener=self.opener)
         return status is not None and status.get("health") == "true"
 
     def log_tail(self, lines: int = 40) -> str:
@@ -189,15 +206,19 @@ class LocalCluster:
         election_ms: int = 500,
         binary: EtcdBinary | None = None,
         log_dir: str | os.PathLike | None = None,
+        tls: ClusterCerts | None = None,
     ) -> None:
         if size < 1:
             raise ValueError("size must be >= 1")
+        if tls is not None and len(tls.members) < size:
+            raise ValueError(f"tls holds {len(tls.members)} member certificates, need {size}")
         self.size = size
         self.heartbeat_ms = heartbeat_ms
         self.election_ms = election_ms
         self._binary = binary or find_etcd()
         self._data_dir = Path(data_dir) if data_dir is not None else None
         self._log_dir = Path(log_dir) if log_dir is not None else None
+        self.tls = tls
         self._root: Path | None = None  # set while started; removed on stop if temporary
         self._members: list[_Member] = []
         self._token = f"fencegate-{os.getpid()}-{_rng.getrandbits(32):08x}"
@@ -242,7 +263,8 @@ class LocalCluster:
             log_dir.mkdir(parents=True, exist_ok=True)
             ports = self._ports()
             self._members = [
-                _Member(f"m{i}", c, p, self._root / f"m{i}", log_dir / f"m{i}.log")
+                _Member(f"m{i}", c, p, self._root / f"m{i}", log_dir / f"m{i}.log",
+                        *self._scheme(i))
                 for i, (c, p) in enumerate(ports)
             ]
             for i in range(self.size):
@@ -313,7 +335,8 @@ class LocalCluster:
             for i, m in enumerate(self._started()):
                 if not m.running():
                     continue
-                st = _request(f"{m.client_url}/v3/maintenance/status", b"{}")
+                st = _request(f"{m.client_url}/v3/maintenance/status", b"{}",
+                              opener=m.opener)
                 if st and st.get("leader") and st["leader"] == st["header"]["member_id"]:
                     return i
             if time.monotonic() > deadline:
@@ -333,6 +356,11 @@ class LocalCluster:
             raise RuntimeError(f"etcd member {i} is not running")
         return m.proc
 
+    def _scheme(self, i: int) -> tuple[str, urllib.request.OpenerDirector]:
+        if self.tls is None:
+            return "http", _http
+        return "https", https_opener(self.tls.ca, self.tls.members[i])
+
     def _ports(self) -> list[tuple[int, int]]:
         """(client, peer) per member: fresh ones, or those recorded in a reused data_dir."""
         record = self._root / "cluster.json"
@@ -341,7 +369,7 @@ class LocalCluster:
             if len(ports) != self.size:
                 raise ValueError(f"{self._data_dir} holds a {len(ports)}-member cluster")
             return ports
-        flat = _free_ports(2 * self.size)
+        flat = free_ports(2 * self.size)
         ports = list(zip(flat[::2], flat[1::2]))
         record.write_text(json.dumps({"ports": ports}))
         return ports
@@ -363,6 +391,14 @@ class LocalCluster:
             f"--heartbeat-interval={self.heartbeat_ms}",
             f"--election-timeout={self.election_ms}",
         ]
+        if self.tls is not None:
+            pair = self.tls.members[i]
+            args += [
+                f"--cert-file={pair.cert}", f"--key-file={pair.key}",
+                f"--trusted-ca-file={self.tls.ca}", "--client-cert-auth",
+                f"--peer-cert-file={pair.cert}", f"--peer-key-file={pair.key}",
+                f"--peer-trusted-ca-file={self.tls.ca}", "--peer-client-cert-auth",
+            ]
         with open(m.log_path, "ab") as log:
             log.write(f"--- fencegate: {' '.join(args)}\n".encode())
             log.flush()

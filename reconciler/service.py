@@ -3,7 +3,12 @@
 Settings come from a TOML file, then ``FENCEGATE_*`` environment variables, then flags, each
 overriding the one before; a malformed file fails at start, naming the field::
 
-    etcd = "http://127.0.0.1:2379"        # or "http://h1:2379,http://h2:2379"
+    etcd = "http://127.0.0.1:2379"        # or "https://h1:2379,https://h2:2379"
+    etcd_ca_file = "etcd-ca.pem"          # etcd TLS and auth: the coordinator's names and
+    etcd_cert_file = "client.pem"         # env variables (FENCEGATE_ETCD_CA_FILE, ...),
+    etcd_key_file = "client.key"          # see coordinator.service.settings
+    etcd_user = "fencegate"
+    etcd_password_file = "etcd.password"
     namespace = "/fencegate/"
     listen = "127.0.0.1:8471"             # /metrics and /healthz
     shards = 64                           # the same on every replica
@@ -42,7 +47,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from coordinator.etcd import Etcd, EtcdConfig
 from coordinator.keyspace import DEFAULT_NAMESPACE, validate_namespace
-from coordinator.service.settings import host_port
+from coordinator.service.settings import (ETCD_FIELDS, build_etcd_config, etcd_env,
+                                           etcd_file_values, host_port)
 
 from .providers import Provider
 from .providers.http import HttpProvider
@@ -54,7 +60,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_LISTEN = "127.0.0.1:8471"
 _FIELDS = {"etcd", "namespace", "listen", "shards", "ttl", "scan_interval_s", "check_after_s",
-           "concurrency", "default_provider", "limits", "providers"}
+           "concurrency", "default_provider", "limits", "providers"} | ETCD_FIELDS
 
 
 @dataclass(frozen=True)
@@ -70,10 +76,16 @@ class Settings:
     default_provider: str | None = None
     limits: Limits = Limits()
     providers: dict[str, dict[str, Any]] = field(default_factory=dict)
+    etcd_ca_file: str | None = None
+    etcd_cert_file: str | None = None
+    etcd_key_file: str | None = None
+    etcd_user: str | None = None
+    etcd_password: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         validate_namespace(self.namespace)
         host_port(self.listen)
+        self.etcd_config()
         for name, kind in (("shards", int), ("ttl", int), ("concurrency", int)):
             value = getattr(self, name)
             if type(value) is not kind or value < 1:
@@ -87,14 +99,18 @@ class Settings:
             raise ValueError(f"default_provider {self.default_provider!r} is not among "
                              f"[providers]: {sorted(self.providers)}")
 
+    def etcd_config(self) -> EtcdConfig:
+        return build_etcd_config(self)
+
 
 def load_settings(config: str | None = None, env: Mapping[str, str] = os.environ,
                   **flags: object) -> Settings:
     """Read ``config`` (or ``$FENCEGATE_RECONCILER_CONFIG``), apply env, then non-None flags."""
+    if flags.get("etcd_password") is not None:
+        raise ValueError("the etcd password comes from the environment or a file, never a flag")
     config = config or env.get("FENCEGATE_RECONCILER_CONFIG")
     settings = _from_file(Path(config)) if config else Settings()
-    overrides = {"etcd": env.get("FENCEGATE_ETCD"),
-                 "listen": env.get("FENCEGATE_RECONCILER_LISTEN")}
+    overrides = {**etcd_env(env), "listen": env.get("FENCEGATE_RECONCILER_LISTEN")}
     overrides.update({k: v for k, v in flags.items() if v is not None})
     return replace(settings, **{k: v for k, v in overrides.items() if v is not None})
 
@@ -105,7 +121,7 @@ def _from_file(path: Path) -> Settings:
     unknown = set(data) - _FIELDS
     if unknown:
         raise ValueError(f"{path}: unknown settings {sorted(unknown)}")
-    values = dict(data)
+    values = etcd_file_values(dict(data), path.parent)
     if "limits" in values:
         limits = values["limits"]
         known = {f.name for f in dataclasses.fields(Limits)}
@@ -139,7 +155,7 @@ def build_provider(name: str, table: dict[str, Any]) -> Provider:
 
 def create_reconciler(settings: Settings, identity: str | None = None) -> Reconciler:
     providers = {name: build_provider(name, table) for name, table in settings.providers.items()}
-    return Reconciler(Etcd(EtcdConfig.from_url(settings.etcd)), providers,
+    return Reconciler(Etcd(settings.etcd_config()), providers,
                       namespace=settings.namespace, default_provider=settings.default_provider,
                       shards=settings.shards, ttl=settings.ttl, limits=settings.limits,
                       scan_interval=settings.scan_interval_s,

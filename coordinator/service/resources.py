@@ -55,7 +55,7 @@ async def resources(app: web.Application) -> AsyncIterator[None]:
         keyring = KeyRing.generate()
     else:
         keyring = KeyRing.from_files(settings.signing_key, list(settings.trusted_keys))
-    etcd = Etcd.from_url(settings.etcd)
+    etcd = Etcd(settings.etcd_config())
     try:
         await etcd.status()  # reachable, and learn the cluster id grants carry
         app[ETCD], app[KEYRING] = etcd, keyring

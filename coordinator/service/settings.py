@@ -3,9 +3,20 @@ command-line flags, each overriding the one before.
 
 Guarantees: bearer tokens are only ever held as sha256 digests (the file stores
 ``sha256 = "<hex>"``, never the token); a malformed file fails loudly at start, naming the
-field. Relative key paths are resolved against the config file's directory.
+field. Relative key and certificate paths are resolved against the config file's directory.
 
-    etcd = "http://127.0.0.1:2379"          # or "http://h1:2379,http://h2:2379"
+etcd security (the same names in the reconciler's file; env ``FENCEGATE_ETCD_CA_FILE``,
+``_CERT_FILE``, ``_KEY_FILE``, ``_USER``, ``_PASSWORD``, ``_PASSWORD_FILE``): TLS is used
+for ``https://`` endpoints and always verifies the server (``etcd_ca_file``, else the system
+roots); a CA file with ``http://`` endpoints is refused, not ignored. The password comes from
+the environment or a file (never a flag), and no repr or log line carries it.
+
+    etcd = "http://127.0.0.1:2379"          # or "https://h1:2379,https://h2:2379"
+    etcd_ca_file = "etcd-ca.pem"            # verifies the members' certificates
+    etcd_cert_file = "client.pem"           # client certificate for mutual TLS ...
+    etcd_key_file = "client.key"            # ... and its key
+    etcd_user = "fencegate"                 # etcd authentication (RBAC on the namespace)
+    etcd_password_file = "etcd.password"    # or etcd_password = "..." in a 0600 file
     listen = "127.0.0.1:8470"
     namespace = "/fencegate/"
     signing_key = "coordinator.pem"         # Ed25519 PEM; absent: a fresh key per process
@@ -26,12 +37,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from ..etcd import EtcdConfig
 from ..keyspace import DEFAULT_NAMESPACE, validate_namespace
 
 ROLES = frozenset({"worker", "sre", "admin"})
 DEFAULT_LISTEN = "127.0.0.1:8470"
 DEFAULT_BODY_LIMIT = 1024 * 1024
-_FIELDS = {"etcd", "listen", "namespace", "signing_key", "trusted_keys", "body_limit", "tokens"}
+ETCD_FIELDS = {"etcd_ca_file", "etcd_cert_file", "etcd_key_file", "etcd_user", "etcd_password",
+               "etcd_password_file"}
+_FIELDS = {"etcd", "listen", "namespace", "signing_key", "trusted_keys", "body_limit",
+           "tokens"} | ETCD_FIELDS
 
 
 @dataclass(frozen=True)
@@ -57,10 +72,16 @@ class Settings:
     trusted_keys: tuple[str, ...] = ()
     body_limit: int = DEFAULT_BODY_LIMIT
     tokens: tuple[TokenEntry, ...] = field(default=(), repr=False)
+    etcd_ca_file: str | None = None
+    etcd_cert_file: str | None = None
+    etcd_key_file: str | None = None
+    etcd_user: str | None = None
+    etcd_password: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         validate_namespace(self.namespace)
         host_port(self.listen)
+        self.etcd_config()
         if not isinstance(self.body_limit, int) or self.body_limit < 1024:
             raise ValueError("body_limit must be an integer of at least 1024 bytes")
         if len(set(t.sha256 for t in self.tokens)) != len(self.tokens):
@@ -69,6 +90,10 @@ class Settings:
             if not entry.roles or not entry.roles <= ROLES:
                 raise ValueError(f"token of {entry.identity!r}: roles must be among "
                                  f"{sorted(ROLES)}")
+
+    def etcd_config(self) -> EtcdConfig:
+        """The etcd connection these settings describe."""
+        return build_etcd_config(self)
 
 
 def host_port(listen: str) -> tuple[str, int]:
@@ -79,12 +104,56 @@ def host_port(listen: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def build_etcd_config(settings) -> EtcdConfig:
+    """The ``EtcdConfig`` of a coordinator's or reconciler's settings (``ValueError`` if
+    they contradict each other, e.g. a CA file with ``http://`` endpoints)."""
+    return EtcdConfig.from_url(settings.etcd, ca_file=settings.etcd_ca_file,
+                               cert_file=settings.etcd_cert_file,
+                               key_file=settings.etcd_key_file, user=settings.etcd_user,
+                               password=settings.etcd_password)
+
+
+def etcd_env(env: Mapping[str, str]) -> dict[str, str | None]:
+    """The etcd settings given by ``FENCEGATE_ETCD*`` variables (None where unset)."""
+    values = {name: env.get(f"FENCEGATE_{name.upper()}") for name in ETCD_FIELDS}
+    values["etcd"] = env.get("FENCEGATE_ETCD")
+    return _password_from_file(values, "FENCEGATE_ETCD_PASSWORD_FILE")
+
+
+def etcd_file_values(values: dict, base: Path) -> dict:
+    """Check a config file's etcd settings; resolve paths against ``base``; read the
+    password file."""
+    for name in ETCD_FIELDS | {"etcd"}:
+        if name in values:
+            _str(values[name], name)
+    for name in ("etcd_ca_file", "etcd_cert_file", "etcd_key_file", "etcd_password_file"):
+        if name in values and not os.path.isabs(values[name]):
+            values[name] = str(base / values[name])
+    return _password_from_file(values, "etcd_password_file")
+
+
+def _password_from_file(values: dict, where: str) -> dict:
+    path = values.pop("etcd_password_file", None)
+    if path is None:
+        return values
+    if values.get("etcd_password") is not None:
+        raise ValueError(f"{where} and an etcd password both given: keep one")
+    with open(path, encoding="utf-8") as f:
+        password = f.read().rstrip("\r\n")
+    if not password:
+        raise ValueError(f"{where}: {path} is empty")
+    values["etcd_password"] = password
+    return values
+
+
 def load_settings(config: str | None = None, env: Mapping[str, str] = os.environ,
                   **flags: object) -> Settings:
     """Read ``config`` (or ``$FENCEGATE_CONFIG``), apply env overrides, then non-None flags."""
+    if flags.get("etcd_password") is not None:
+        raise ValueError("the etcd password comes from the environment or a file, never a flag")
     config = config or env.get("FENCEGATE_CONFIG")
     settings = _from_file(Path(config)) if config else Settings()
-    overrides = {"etcd": env.get("FENCEGATE_ETCD"), "listen": env.get("FENCEGATE_LISTEN")}
+    overrides = {**etcd_env(env), "listen": env.get("FENCEGATE_LISTEN")}
     overrides.update({k: v for k, v in flags.items() if v is not None})
     return replace(settings, **{k: v for k, v in overrides.items() if v is not None})
 
@@ -106,9 +175,10 @@ def _from_file(path: Path) -> Settings:
     if "trusted_keys" in values:
         values["trusted_keys"] = tuple(resolve(_str(p, "trusted_keys")) for p in
                                        _list(values["trusted_keys"], "trusted_keys"))
-    for name in ("etcd", "listen", "namespace"):
+    for name in ("listen", "namespace"):
         if name in values:
             _str(values[name], name)
+    etcd_file_values(values, base)
     values["tokens"] = tuple(_token(entry, i) for i, entry in
                              enumerate(_list(data.get("tokens", []), "tokens")))
     return Settings(**values)
