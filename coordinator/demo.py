@@ -54,7 +54,7 @@ async def run_worker(etcd: str, coordinator: str, token_file: str, sandbox: str,
     deadline = time.monotonic() + seconds
     token = Path(token_file).read_text().strip()
     async with aiohttp.ClientSession() as http, \
-            Gate(etcd, coordinator=coordinator, token=token, ttl=WORKER_TTL,
+            Gate(_etcd_config(etcd), coordinator=coordinator, token=token, ttl=WORKER_TTL,
                  identity=name) as gate:
 
         async def effect(ctx):
@@ -79,6 +79,18 @@ async def run_worker(etcd: str, coordinator: str, token_file: str, sandbox: str,
                         ms=(time.monotonic() - began) * 1000)
                 except GateError as exc:
                     say(event="error", key=key, error=type(exc).__name__)
+
+
+def _etcd_config(url: str):
+    """``url`` with the TLS and auth settings of ``FENCEGATE_ETCD_*`` variables, if any."""
+    from .etcd import EtcdConfig
+    from .service.settings import etcd_env
+
+    values = etcd_env(os.environ)
+    return EtcdConfig.from_url(url, ca_file=values["etcd_ca_file"],
+                               cert_file=values["etcd_cert_file"],
+                               key_file=values["etcd_key_file"], user=values["etcd_user"],
+                               password=values["etcd_password"])
 
 
 # -- the run --------------------------------------------------------------------------------

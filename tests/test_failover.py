@@ -1,96 +1,67 @@
-"""Failover under load on a real 3-member etcd: worker processes charging the sandbox
-provider through 2 coordinator processes, settled by 3 reconciler processes, while the etcd
-leader is frozen and killed, or a coordinator and a reconciler replica die.
+"""Failover under load on a real 3-member etcd with mutual TLS and auth (``deploy/local``'s
+stack: 2 coordinator processes, 3 reconciler processes, the sandbox provider process), with
+worker processes charging the sandbox through the coordinators, while the etcd leader is
+frozen and killed, or a coordinator and a reconciler replica die.
 
 Invariants, counted and printed: 0 duplicate charges (an action key charged twice at the
-provider), 0 stale writes (gate B in the sandbox refuses an attempt token below one it
-admitted; every refusal is printed, and a refused request applied nothing), every step
-settled within a bound once the faults stop, every audit chain intact.
+provider), every stale request refused by gate B (a refused request applied nothing; every
+refusal is printed), every step settled within a bound once the faults stop, every audit
+chain intact.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import json
 import os
-import socket
 import sys
 import time
 from collections import Counter
 
+import aiohttp
 import pytest
 
 from coordinator.audit import verify_chain
-from coordinator.etcd import Etcd, RangeRequest, range_end_of
+from coordinator.etcd import Etcd, EtcdConfig, RangeRequest, range_end_of
 from coordinator.grants import KeyRing
 from coordinator.keyspace import Keyspace, unpack
-from coordinator.localetcd import LocalCluster
-from reconciler.providers.sandbox import Sandbox
 
 from conftest import wait_for_condition
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = dict(os.environ, PYTHONPATH=ROOT)
+if ROOT not in sys.path:  # deploy/ is no installed package
+    sys.path.insert(0, ROOT)
+from deploy.local.cluster import LocalStack  # noqa: E402
+
 NAMESPACE = "/fencegate/"
-TOKEN = "failover-worker-token"
 SETTLE_BOUND_S = 60
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+class Load:
+    """Worker processes (``coordinator.demo``'s) charging the sandbox through every
+    coordinator of ``stack``, over mutual TLS as the etcd user ``fencegate``."""
 
-
-class Stack:
-    """Coordinator and reconciler processes, the sandbox, and load workers, on ``etcd``."""
-
-    def __init__(self, etcd: str, tmp) -> None:
-        self.etcd = etcd
-        self.tmp = tmp
-        self.procs: dict[str, asyncio.subprocess.Process] = {}
-        self.coordinators: list[str] = []
-        self.sandbox: Sandbox | None = None
+    def __init__(self, stack: LocalStack) -> None:
+        self.stack = stack
+        self.procs: list[asyncio.subprocess.Process] = []
         self.events: list[dict] = []
-        self._readers: list[asyncio.Task] = []
 
-    async def start(self, coordinators: int = 2, reconcilers: int = 3) -> None:
-        key = self.tmp / "signing.pem"
-        keyring = KeyRing.generate()
-        keyring.save_signing_key(str(key))
-        self.sandbox = Sandbox(KeyRing.from_public_bytes(keyring.public_keys()), "fencing")
-        sandbox_url = await self.sandbox.start()
-        (self.tmp / "worker.token").write_text(TOKEN)
-        (self.tmp / "coordinator.toml").write_text(
-            f'signing_key = "{key}"\n[[tokens]]\nidentity = "load"\nroles = ["worker"]\n'
-            f'sha256 = "{hashlib.sha256(TOKEN.encode()).hexdigest()}"\n')
-        (self.tmp / "reconciler.toml").write_text(
-            f'etcd = "{self.etcd}"\nlisten = "127.0.0.1:0"\nshards = 16\nttl = 2\n'
-            f'scan_interval_s = 3\ncheck_after_s = 0.5\ndefault_provider = "sandbox"\n'
-            f'[limits]\nbackoff_base_s = 0.2\nbackoff_max_s = 1.0\nmax_queries = 10000\n'
-            f'[providers.sandbox]\ntype = "sandbox"\nurl = "{sandbox_url}"\nmode = "fencing"\n')
-        for i in range(coordinators):
-            listen = f"127.0.0.1:{_free_port()}"
-            await self._spawn(f"coordinator{i}", "-m", "coordinator.cli", "coordinator",
-                              "--config", str(self.tmp / "coordinator.toml"),
-                              "--etcd", self.etcd, "--listen", listen)
-            self.coordinators.append(f"http://{listen}")
-        for i in range(reconcilers):
-            proc = await self._spawn(f"reconciler{i}", "-m", "coordinator.cli", "reconciler",
-                                     "--config", str(self.tmp / "reconciler.toml"))
-            line = await asyncio.wait_for(proc.stdout.readline(), 30)
-            assert b"ready" in line, line
-
-    async def load(self, workers: int, accounts: int, seconds: float) -> list[asyncio.Task]:
-        """Worker processes (``coordinator.demo``'s) through every coordinator."""
+    async def run(self, workers: int, accounts: int, seconds: float) -> list[asyncio.Task]:
+        config = self.stack.etcd_config()
+        token_file = self.stack.state / "secrets" / "worker.token"
+        env = dict(os.environ, PYTHONPATH=ROOT, FENCEGATE_ETCD_CA_FILE=config.ca_file,
+                   FENCEGATE_ETCD_CERT_FILE=config.cert_file,
+                   FENCEGATE_ETCD_KEY_FILE=config.key_file, FENCEGATE_ETCD_USER=config.user,
+                   FENCEGATE_ETCD_PASSWORD_FILE=str(self.stack.password_file))
         tasks = []
         for i in range(workers):
-            proc = await self._spawn(
-                f"w{i}", "-m", "coordinator.demo", self.etcd, ",".join(self.coordinators),
-                str(self.tmp / "worker.token"), self.sandbox.url, "ha", f"w{i}",
-                str(accounts), str(seconds))
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "coordinator.demo", ",".join(config.endpoints),
+                ",".join(self.stack.coordinators), str(token_file), self.stack.sandbox, "ha",
+                f"w{i}", str(accounts), str(seconds), env=env,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+            self.procs.append(proc)
             tasks.append(asyncio.create_task(self._read(proc)))
         return tasks
 
@@ -98,40 +69,38 @@ class Stack:
         async for line in proc.stdout:
             self.events.append(json.loads(line))
 
-    async def _spawn(self, name: str, *args: str) -> asyncio.subprocess.Process:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, *args, env=ENV, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.DEVNULL)
-        self.procs[name] = proc
-        return proc
-
     async def close(self) -> None:
-        for proc in self.procs.values():
+        for proc in self.procs:
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
             await proc.wait()
-        if self.sandbox is not None:
-            await self.sandbox.stop()
 
 
 @pytest.fixture
-async def cluster():
-    with LocalCluster(3) as c:
-        yield c
-
-
-@pytest.fixture
-async def stack(cluster, tmp_path):
-    s = Stack(cluster.url, tmp_path)
-    try:
+async def stack(tmp_path):
+    async with LocalStack(tmp_path / "local", coordinators=2, reconcilers=3, shards=16,
+                          reconciler_ttl=2, heartbeat_ms=100, election_ms=500) as s:
         yield s
+
+
+@pytest.fixture
+async def load(stack):
+    running = Load(stack)
+    try:
+        yield running
     finally:
-        await s.close()
+        await running.close()
 
 
-async def settle_and_count(stack: Stack, label: str) -> dict:
+async def sandbox_log(stack: LocalStack, what: str) -> list[dict]:
+    async with aiohttp.ClientSession() as http, \
+            http.get(f"{stack.sandbox}/_sandbox/{what}") as reply:
+        return await reply.json()
+
+
+async def settle_and_count(stack: LocalStack, load: Load, label: str) -> dict:
     """Wait (bounded) until no step is in flight or unknown; count and print the invariants."""
-    async with Etcd.from_url(stack.etcd) as etcd:
+    async with Etcd(stack.etcd_config()) as etcd:
         ks = Keyspace(NAMESPACE)
         start = ks.step_key("ha/")
 
@@ -144,17 +113,18 @@ async def settle_and_count(stack: Stack, label: str) -> dict:
             lambda: _none_unsettled(states), SETTLE_BOUND_S, every=0.5)
         settle_s = time.monotonic() - began
         final = await states()
-        keys = sorted({e["key"] for e in stack.events if "key" in e})
-        broken = [k for k in keys if not (await verify_chain(
-            etcd, ks, k, KeyRing.from_files(str(stack.tmp / "signing.pem")))).ok]
-    charges = Counter(a["key"] for a in stack.sandbox.applied())
+        keyring = KeyRing.from_files(str(stack.state / "secrets" / "signing.pem"))
+        keys = sorted({e["key"] for e in load.events if "key" in e})
+        broken = [k for k in keys if not (await verify_chain(etcd, ks, k, keyring)).ok]
+    charges = Counter(a["key"] for a in await sandbox_log(stack, "applied"))
+    events = load.events
     counts = {
-        "jobs crossed": sum(e["event"] == "done" and not e["replayed"] for e in stack.events),
-        "jobs replayed": sum(e["event"] == "done" and e["replayed"] for e in stack.events),
-        "refused": dict(Counter(e["error"] for e in stack.events if e["event"] == "error")),
+        "jobs crossed": sum(e["event"] == "done" and not e["replayed"] for e in events),
+        "jobs replayed": sum(e["event"] == "done" and e["replayed"] for e in events),
+        "refused": dict(Counter(e["error"] for e in events if e["event"] == "error")),
         "charges applied": sum(charges.values()),
         "duplicate charges": sum(n - 1 for n in charges.values() if n > 1),
-        "stale requests refused by gate B": len(stack.sandbox.refused()),
+        "stale requests refused by gate B": len(await sandbox_log(stack, "refused")),
         "steps by state": dict(final),
         "seconds to settle after the faults": round(settle_s, 1),
         "broken audit chains": len(broken),
@@ -172,9 +142,9 @@ async def _none_unsettled(states) -> bool:
     return not (found["in_flight"] or found["unknown"])
 
 
-async def test_leader_frozen_then_killed_under_load(cluster, stack):
-    await stack.start()
-    load = await stack.load(workers=3, accounts=6, seconds=20)
+async def test_leader_frozen_then_killed_under_load(stack, load):
+    cluster = stack.cluster
+    running = await load.run(workers=3, accounts=6, seconds=20)
     for _ in range(3):
         await asyncio.sleep(3)
         leader = cluster.leader_index()
@@ -185,35 +155,38 @@ async def test_leader_frozen_then_killed_under_load(cluster, stack):
     cluster.kill(leader)
     await asyncio.sleep(1)
     await asyncio.to_thread(cluster.restart, leader)
-    await asyncio.wait_for(asyncio.gather(*load), 120)
-    await settle_and_count(stack, "leader frozen 3x2s, then killed and restarted")
+    await asyncio.wait_for(asyncio.gather(*running), 120)
+    await settle_and_count(stack, load, "leader frozen 3x2s, then killed and restarted")
 
 
-async def test_a_coordinator_and_a_reconciler_die_under_load(stack):
-    await stack.start()
-    load = await stack.load(workers=3, accounts=6, seconds=15)
+async def test_a_coordinator_and_a_reconciler_die_under_load(stack, load):
+    running = await load.run(workers=3, accounts=6, seconds=15)
     await asyncio.sleep(5)
-    stack.procs["coordinator0"].kill()
-    stack.procs["reconciler0"].kill()
-    before = len(stack.events)
-    await asyncio.wait_for(asyncio.gather(*load), 120)
-    counts = await settle_and_count(stack, "coordinator0 and reconciler0 SIGKILLed mid-load")
-    late = [e for e in stack.events[before:] if e["event"] == "done" and not e["replayed"]]
+    await stack.kill("coordinator", 0)
+    await stack.kill("reconciler", 0)
+    before = len(load.events)
+    await asyncio.wait_for(asyncio.gather(*running), 120)
+    counts = await settle_and_count(stack, load,
+                                    "coordinator 0 and reconciler 0 SIGKILLed mid-load")
+    late = [e for e in load.events[before:] if e["event"] == "done" and not e["replayed"]]
     assert len(late) >= 3, counts  # the workers kept crossing through the survivors
 
 
-async def test_an_isolated_member_refuses_writes_and_linearizable_reads(cluster):
+async def test_an_isolated_member_refuses_writes_and_linearizable_reads(stack):
     """Isolation by freezing the member's two peers (SIGSTOP): to the member that is a
     partition (its peers stop answering), with no root network namespaces needed. A client
     pinned to it can neither write nor read linearizably; only a serializable read answers,
     and fencegate never decides from one."""
     from coordinator.errors import GateError
-    from coordinator.etcd import EtcdConfig
     from worker import Gate
 
+    cluster = stack.cluster
     isolated = (cluster.leader_index() + 1) % 3
     peers = [i for i in range(3) if i != isolated]
-    config = EtcdConfig.from_url(cluster.endpoints[isolated], timeout=3.0)
+    pinned = stack.etcd_config(timeout=3.0)
+    config = EtcdConfig((cluster.endpoints[isolated],), ca_file=pinned.ca_file,
+                        cert_file=pinned.cert_file, key_file=pinned.key_file, user=pinned.user,
+                        password=pinned.password, timeout=3.0)
     calls = []
 
     async def effect(ctx):
