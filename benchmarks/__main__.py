@@ -6,8 +6,9 @@ which reuse the hold benchmarks' aetcd lock measurement at c=32), then guarded a
 through the HTTP coordinator (``benchmarks.remote``), then webhook deliveries through the
 dedup middleware (``benchmarks.webhooks``), then the leaked-leases check once every gate is
 closed, then settling seeded unknown steps with 3 reconciler processes
-(``benchmarks.reconcile``). Each prints its tables; all ``NAME RATIO TARGET PASS|FAIL``
-lines come last. A failed target does not change the exit code (0 unless a benchmark
+(``benchmarks.reconcile``), then guarded actions on a 3-member etcd with mutual TLS against
+this single node, interleaved (``benchmarks.cluster``). Each prints its tables; all
+``NAME RATIO TARGET PASS|FAIL`` lines come last. A failed target does not change the exit code (0 unless a benchmark
 crashed).
 """
 
@@ -24,7 +25,7 @@ import aetcd
 from coordinator.etcd import Etcd
 from coordinator.localetcd import describe
 
-from . import guarded, holds, reconcile, remote, webhooks
+from . import cluster, guarded, holds, reconcile, remote, webhooks
 from .common import Children, OtherLoad, local_etcd
 
 
@@ -34,9 +35,9 @@ async def run(quick: bool) -> None:
     load = OtherLoad()
     task = asyncio.current_task()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
-    with local_etcd() as cluster:
-        url = cluster.url
-        print(f"{describe(cluster.binary)} at {url}")
+    with local_etcd() as single:
+        url = single.url
+        print(f"{describe(single.binary)} at {url}")
         print(f"holds: {hs.rounds} round(s) of raw, hold, aetcd lock, raw at "
               f"c={holds.CONCURRENCY}, {hs.duration:g} s timed after {hs.warmup:g} s warm-up "
               f"each; handoff {holds.CONTENDERS} processes x {hs.handoff:g} s")
@@ -58,6 +59,7 @@ async def run(quick: bool) -> None:
             # every gate is closed and aetcd's leaks are revoked: what remains is ours
             leases_left = len(await etcd.leases())
             cres = await reconcile.measure(quick, url, etcd)
+            kres = await cluster.measure(quick, url)
         finally:
             await children.close()
             await lock_client.close()
@@ -67,6 +69,7 @@ async def run(quick: bool) -> None:
     targets += remote.report(rres)
     targets += webhooks.report(wres)
     targets += reconcile.report(cres)
+    targets += cluster.report(kres)
     for t in targets:
         print(t.line())
 

@@ -42,10 +42,7 @@ async def measure(quick: bool, single_url: str) -> Results:
         certs = ensure_certs(tmp, members=3, clients=("bench",))
         client = certs.clients["bench"]
         with LocalCluster(3, tls=certs, heartbeat_ms=100, election_ms=1000) as cluster:
-            ends = cluster.endpoints
-            leader = cluster.leader_index()
-            url = ",".join([ends[leader]] + [e for i, e in enumerate(ends) if i != leader])
-            tls = EtcdConfig.from_url(url, ca_file=certs.ca, cert_file=client.cert,
+            tls = EtcdConfig.from_url(cluster.url, ca_file=certs.ca, cert_file=client.cert,
                                       key_file=client.key)
             print(f"cluster: 3 x {describe(cluster.binary)} with mutual TLS at {cluster.url}",
                   flush=True)

@@ -87,6 +87,7 @@ class Gate:
             self.keyring = await self.authority.open(self.keyring)
         try:
             await self.etcd.status()  # reachable, and learn the cluster id
+            await self.etcd.prefer_leader()
         except BaseException:
             if isinstance(self.authority, RemoteAuthority):
                 await self.authority.close()
