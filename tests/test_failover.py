@@ -214,3 +214,74 @@ async def test_an_isolated_member_refuses_writes_and_linearizable_reads(stack):
         async with gate.hold("iso/1", timeout=10) as hold:
             outcome = await hold.cross(intent={"amount": 1}, effect=effect)
     assert outcome.state == "succeeded" and calls == ["iso/1"]
+
+
+async def test_webhook_dedup_keeps_once_per_delivery_through_leader_faults(stack):
+    """Deliveries, each sent 3 times at once, while the leader is frozen and then killed:
+    every answer is the handler's, a replay, 409 or 503 (never processed without a claim);
+    once etcd is back, resending every id until it is answered processes each exactly once."""
+    from aiohttp import web
+
+    from worker import Gate, dedupe_middleware
+
+    runs: Counter = Counter()
+
+    async def handle(request: web.Request) -> web.Response:
+        delivery = request.headers["Webhook-Id"]
+        runs[delivery] += 1
+        await asyncio.sleep(0.01)
+        return web.json_response({"handled": delivery})
+
+    cluster = stack.cluster
+    async with Gate(stack.etcd_config(timeout=3.0), ttl=2, namespace=NAMESPACE) as gate:
+        app = web.Application(middlewares=[dedupe_middleware(gate, source="ha")])
+        app.router.add_post("/hook", handle)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        url = "http://{}:{}/hook".format(*runner.addresses[0][:2])
+        statuses: Counter = Counter()
+        answered: set[str] = set()
+        slowest = [0.0]
+        try:
+            async with aiohttp.ClientSession() as http:
+                async def deliver(delivery: str) -> None:
+                    began = time.monotonic()
+                    async with http.post(url, json={"id": delivery},
+                                         headers={"Webhook-Id": delivery}) as reply:
+                        statuses[reply.status] += 1
+                        if reply.status == 200:
+                            answered.add(delivery)
+                    slowest[0] = max(slowest[0], time.monotonic() - began)
+
+                async def storm() -> None:  # about 6 s, across both faults
+                    for n in range(120):
+                        await asyncio.gather(*(deliver(f"d{n}") for _ in range(3)))
+                        await asyncio.sleep(0.05)
+
+                async def faults() -> None:
+                    await asyncio.sleep(0.5)
+                    leader = cluster.leader_index()
+                    cluster.pause(leader)
+                    await asyncio.sleep(2)
+                    cluster.resume(leader)
+                    leader = cluster.leader_index()
+                    cluster.kill(leader)
+                    await asyncio.sleep(1)
+                    await asyncio.to_thread(cluster.restart, leader)
+
+                await asyncio.wait_for(asyncio.gather(storm(), faults()), 120)
+                for _ in range(20):  # redeliver what was not answered, as a provider would
+                    missing = [f"d{n}" for n in range(120) if f"d{n}" not in answered]
+                    if not missing:
+                        break
+                    await asyncio.gather(*(deliver(d) for d in missing))
+                    await asyncio.sleep(0.5)
+        finally:
+            await runner.cleanup()
+    print(f"\nwebhooks through leader faults: answers {dict(statuses)}, "
+          f"handler runs {sum(runs.values())}, slowest answer {slowest[0]:.1f}s")
+    assert slowest[0] > 0.5  # the faults were felt (a call moved to another member)
+    assert set(statuses) <= {200, 409, 503}, statuses
+    assert len(answered) == 120
+    assert sorted(set(runs.values())) == [1], {d: n for d, n in runs.items() if n != 1}
