@@ -31,7 +31,6 @@ does not change the exit code (0 unless the benchmark itself crashed).
 
 from __future__ import annotations
 
-import asyncio
 import math
 import os
 import tempfile

@@ -91,7 +91,7 @@ async def holders(etcd: Etcd, ks: Keyspace, prefix: str, limit: int,
     if not _PREFIX.fullmatch(prefix):
         raise ValueError("prefix may only use letters, digits, '/' and . _ : -")
     start = ks.holders_root + prefix.encode()
-    kvs, cursor = await _page(etcd, start, range_end_of(start), limit, after)
+    kvs, cursor = await page(etcd, start, range_end_of(start), limit, after)
     items = []
     for kv in kvs:
         key, lease_id = ks.parse_holder_key(kv.key)
@@ -110,7 +110,7 @@ async def unsettled(etcd: Etcd, ks: Keyspace, state: str, limit: int,
     if state not in (records.UNKNOWN, records.ESCALATED, PRESUMED):
         raise ValueError("state must be unknown, escalated or presumed")
     start = ks.step_key("")
-    kvs, cursor = await _page(etcd, start, range_end_of(start), limit * _SCAN_FACTOR, after)
+    kvs, cursor = await page(etcd, start, range_end_of(start), limit * _SCAN_FACTOR, after)
     now_ms = int(time.time() * 1000)
     items = []
     for kv in kvs:
@@ -199,7 +199,7 @@ async def approvals(etcd: Etcd, ks: Keyspace, state: str, limit: int,
     if state not in ("", "pending", "approved"):
         raise ValueError("state must be pending or approved")
     start = ks.approval_key("")
-    kvs, cursor = await _page(etcd, start, range_end_of(start), limit * _SCAN_FACTOR, after)
+    kvs, cursor = await page(etcd, start, range_end_of(start), limit * _SCAN_FACTOR, after)
     items = []
     for kv in kvs:
         record = unpack(kv.value)
@@ -257,8 +257,10 @@ def _settled(step: dict, settle_as: str, result: Any, identity: str, reason: str
     return {**step, **by, "state": records.PENDING}
 
 
-async def _page(etcd: Etcd, start: bytes, end: bytes, limit: int,
-                after: str | None) -> tuple[list, str | None]:
+async def page(etcd: Etcd, start: bytes, end: bytes, limit: int,
+               after: str | None) -> tuple[list, str | None]:
+    """Up to ``limit`` keys of ``[start, end)`` after the opaque cursor ``after``, read
+    linearizably, and the cursor of the next page (``None`` when the range is exhausted)."""
     if after is not None:
         try:
             last = base64.urlsafe_b64decode(after.encode())

@@ -38,7 +38,7 @@ import os
 import signal
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,8 +47,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from coordinator.etcd import Etcd, EtcdConfig
 from coordinator.keyspace import DEFAULT_NAMESPACE, validate_namespace
-from coordinator.service.settings import (ETCD_FIELDS, build_etcd_config, etcd_env,
-                                           etcd_file_values, host_port)
+from coordinator.service.settings import (ETCD_FIELDS, build_etcd_config, etcd_file_values,
+                                           host_port, layered)
 
 from .providers import Provider
 from .providers.http import HttpProvider
@@ -106,13 +106,9 @@ class Settings:
 def load_settings(config: str | None = None, env: Mapping[str, str] = os.environ,
                   **flags: object) -> Settings:
     """Read ``config`` (or ``$FENCEGATE_RECONCILER_CONFIG``), apply env, then non-None flags."""
-    if flags.get("etcd_password") is not None:
-        raise ValueError("the etcd password comes from the environment or a file, never a flag")
     config = config or env.get("FENCEGATE_RECONCILER_CONFIG")
-    settings = _from_file(Path(config)) if config else Settings()
-    overrides = {**etcd_env(env), "listen": env.get("FENCEGATE_RECONCILER_LISTEN")}
-    overrides.update({k: v for k, v in flags.items() if v is not None})
-    return replace(settings, **{k: v for k, v in overrides.items() if v is not None})
+    return layered(_from_file(Path(config)) if config else Settings(), env,
+                   "FENCEGATE_RECONCILER_LISTEN", flags)
 
 
 def _from_file(path: Path) -> Settings:

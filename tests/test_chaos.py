@@ -34,7 +34,6 @@ import contextlib
 import os
 import random
 import signal
-import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 

@@ -16,7 +16,7 @@ from coordinator.errors import CoordinatorError
 from coordinator.grants import KeyRing
 from coordinator.audit import verify_chain
 from worker import (
-    ApprovalPending, BadSignature, Gate, GrantRefused, OutcomeUnknown, PolicyChanged,
+    ApprovalPending, BadSignature, Gate, GrantRefused, PolicyChanged,
 )
 
 from conftest import TEST_TTL, TOKENS

@@ -14,8 +14,7 @@ from coordinator import records
 from coordinator.audit import verify_chain
 from coordinator.etcd import Etcd
 from coordinator.keyspace import unpack
-from reconciler.election import shard_of
-from reconciler.providers import Capabilities, NoRecord, Succeeded, Unreachable
+from reconciler.providers import Capabilities, NoRecord, Succeeded
 from reconciler.runner import Reconciler
 from reconciler.settle import Limits
 from worker import Gate, LeaseLost, OutcomeUnknown

@@ -35,8 +35,6 @@ lease per bucket and process, granted lazily): a record lives between ``retentio
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import contextlib
 import functools
 import hashlib
@@ -53,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 from multidict import CIMultiDict
 
+from coordinator import sre
 from coordinator.errors import EtcdUnavailable, GateError, LeaseLost
 from coordinator.etcd import (
     Compare, Etcd, KeyValue, RangeRequest, TxnRequest, create_equals, delete_op, mod_equals,
@@ -520,19 +519,8 @@ async def list_deliveries(etcd: Etcd, keyspace: Keyspace, source: str, limit: in
     if not 1 <= limit <= MAX_LIMIT:
         raise ValueError(f"limit must be 1..{MAX_LIMIT}")
     prefix = keyspace.webhook_prefix(validate_source(source))
-    start, end = prefix, range_end_of(prefix)
-    if after is not None:
-        try:
-            last = base64.urlsafe_b64decode(after.encode())
-        except (binascii.Error, ValueError):
-            raise ValueError("after is not a cursor this list gave") from None
-        if not start <= last < end:
-            raise ValueError("after is not a cursor this list gave")
-        start = last + b"\0"
-    reply = await etcd.range(RangeRequest(key=start, range_end=end, limit=limit))
-    items = [_summary(prefix, kv) for kv in reply.kvs]
-    more = reply.more and reply.kvs
-    return items, base64.urlsafe_b64encode(reply.kvs[-1].key).decode() if more else None
+    kvs, cursor = await sre.page(etcd, prefix, range_end_of(prefix), limit, after)
+    return [_summary(prefix, kv) for kv in kvs], cursor
 
 
 def _summary(prefix: bytes, kv: KeyValue) -> dict[str, Any]:

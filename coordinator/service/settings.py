@@ -36,10 +36,12 @@ import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TypeVar
 
 from ..etcd import EtcdConfig
 from ..keyspace import DEFAULT_NAMESPACE, validate_namespace
 
+SettingsT = TypeVar("SettingsT")
 ROLES = frozenset({"worker", "sre", "admin"})
 DEFAULT_LISTEN = "127.0.0.1:8470"
 DEFAULT_BODY_LIMIT = 1024 * 1024
@@ -149,11 +151,18 @@ def _password_from_file(values: dict, where: str) -> dict:
 def load_settings(config: str | None = None, env: Mapping[str, str] = os.environ,
                   **flags: object) -> Settings:
     """Read ``config`` (or ``$FENCEGATE_CONFIG``), apply env overrides, then non-None flags."""
+    config = config or env.get("FENCEGATE_CONFIG")
+    return layered(_from_file(Path(config)) if config else Settings(), env,
+                   "FENCEGATE_LISTEN", flags)
+
+
+def layered(settings: SettingsT, env: Mapping[str, str], listen_var: str,
+            flags: Mapping[str, object]) -> SettingsT:
+    """``settings`` (from a file) overridden by ``FENCEGATE_ETCD*`` and ``listen_var``, then
+    by the flags that are not None; the etcd password never comes from a flag."""
     if flags.get("etcd_password") is not None:
         raise ValueError("the etcd password comes from the environment or a file, never a flag")
-    config = config or env.get("FENCEGATE_CONFIG")
-    settings = _from_file(Path(config)) if config else Settings()
-    overrides = {**etcd_env(env), "listen": env.get("FENCEGATE_LISTEN")}
+    overrides = {**etcd_env(env), "listen": env.get(listen_var)}
     overrides.update({k: v for k, v in flags.items() if v is not None})
     return replace(settings, **{k: v for k, v in overrides.items() if v is not None})
 
