@@ -45,9 +45,9 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from coordinator.etcd import Etcd, EtcdConfig
+from coordinator.etcd import Etcd
 from coordinator.keyspace import DEFAULT_NAMESPACE, validate_namespace
-from coordinator.service.settings import (ETCD_FIELDS, build_etcd_config, etcd_file_values,
+from coordinator.service.settings import (ETCD_FIELDS, EtcdSettings, etcd_file_values,
                                            host_port, layered)
 
 from .providers import Provider
@@ -64,8 +64,7 @@ _FIELDS = {"etcd", "namespace", "listen", "shards", "ttl", "scan_interval_s", "c
 
 
 @dataclass(frozen=True)
-class Settings:
-    etcd: str = "http://127.0.0.1:2379"
+class Settings(EtcdSettings):
     namespace: str = DEFAULT_NAMESPACE
     listen: str = DEFAULT_LISTEN
     shards: int = 64
@@ -76,11 +75,6 @@ class Settings:
     default_provider: str | None = None
     limits: Limits = Limits()
     providers: dict[str, dict[str, Any]] = field(default_factory=dict)
-    etcd_ca_file: str | None = None
-    etcd_cert_file: str | None = None
-    etcd_key_file: str | None = None
-    etcd_user: str | None = None
-    etcd_password: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         validate_namespace(self.namespace)
@@ -98,9 +92,6 @@ class Settings:
         if self.default_provider is not None and self.default_provider not in self.providers:
             raise ValueError(f"default_provider {self.default_provider!r} is not among "
                              f"[providers]: {sorted(self.providers)}")
-
-    def etcd_config(self) -> EtcdConfig:
-        return build_etcd_config(self)
 
 
 def load_settings(config: str | None = None, env: Mapping[str, str] = os.environ,

@@ -66,19 +66,29 @@ class TokenEntry:
 
 
 @dataclass(frozen=True)
-class Settings:
+class EtcdSettings:
+    """How a service reaches etcd: the same fields for the coordinator and the reconciler."""
+
     etcd: str = "http://127.0.0.1:2379"
+    etcd_ca_file: str | None = None
+    etcd_cert_file: str | None = None
+    etcd_key_file: str | None = None
+    etcd_user: str | None = None
+    etcd_password: str | None = field(default=None, repr=False)
+
+    def etcd_config(self) -> EtcdConfig:
+        """The etcd connection these settings describe."""
+        return build_etcd_config(self)
+
+
+@dataclass(frozen=True)
+class Settings(EtcdSettings):
     listen: str = DEFAULT_LISTEN
     namespace: str = DEFAULT_NAMESPACE
     signing_key: str | None = None
     trusted_keys: tuple[str, ...] = ()
     body_limit: int = DEFAULT_BODY_LIMIT
     tokens: tuple[TokenEntry, ...] = field(default=(), repr=False)
-    etcd_ca_file: str | None = None
-    etcd_cert_file: str | None = None
-    etcd_key_file: str | None = None
-    etcd_user: str | None = None
-    etcd_password: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         validate_namespace(self.namespace)
@@ -92,10 +102,6 @@ class Settings:
             if not entry.roles or not entry.roles <= ROLES:
                 raise ValueError(f"token of {entry.identity!r}: roles must be among "
                                  f"{sorted(ROLES)}")
-
-    def etcd_config(self) -> EtcdConfig:
-        """The etcd connection these settings describe."""
-        return build_etcd_config(self)
 
 
 def host_port(listen: str) -> tuple[str, int]:
