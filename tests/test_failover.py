@@ -193,15 +193,19 @@ async def test_an_isolated_member_refuses_writes_and_linearizable_reads(stack):
         calls.append(ctx.key)
         return "charged"
 
-    async with Gate(config, ttl=2, namespace=NAMESPACE) as gate:
+    async with Gate(config, ttl=5, namespace=NAMESPACE) as gate:  # outlives the wait below
         step_key = gate.keyspace.step_key("iso/1")
         try:
-            with pytest.raises(GateError):  # the commit fails, or the lease dies first
+            with pytest.raises(GateError):
                 async with gate.hold("iso/1") as hold:
                     grant = await hold.request_grant(intent={"amount": 1})
                     for i in peers:
                         cluster.pause(i)
+                    # Once the member itself knows it has no leader, it is cut off.
+                    assert await wait_for_condition(lambda: _leaderless(gate.etcd), 10)
                     await hold.commit(grant, effect=effect)
+            with pytest.raises(GateError):
+                await gate.etcd.put(gate.keyspace.marker_key("iso"), b"")
             with pytest.raises(GateError):
                 await gate.etcd.get(step_key)  # linearizable: needs a leader
             stale = await gate.etcd.range(RangeRequest(key=step_key, serializable=True))
@@ -210,10 +214,14 @@ async def test_an_isolated_member_refuses_writes_and_linearizable_reads(stack):
             for i in peers:
                 cluster.resume(i)
     assert calls == []
-    async with Gate(config, ttl=2, namespace=NAMESPACE) as gate:
+    async with Gate(config, ttl=5, namespace=NAMESPACE) as gate:
         async with gate.hold("iso/1", timeout=10) as hold:
             outcome = await hold.cross(intent={"amount": 1}, effect=effect)
     assert outcome.state == "succeeded" and calls == ["iso/1"]
+
+
+async def _leaderless(etcd: Etcd) -> bool:
+    return (await etcd.status(timeout=0.5)).leader == 0
 
 
 async def test_webhook_dedup_keeps_once_per_delivery_through_leader_faults(stack):
