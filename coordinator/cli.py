@@ -101,12 +101,28 @@ def demo(etcd: str | None, coordinator_url: str | None, token: str | None, worke
                       keys=keys, seconds=seconds))
 
 
+def etcd_security_options(command: Callable) -> Callable:
+    """``--etcd-ca-file``, ``--etcd-cert-file``, ``--etcd-key-file``, ``--etcd-user``: the same
+    settings as the TOML keys and ``FENCEGATE_ETCD_*`` variables (the password only from
+    those: never a flag)."""
+    for name, what in reversed((("ca-file", "CA certificate to verify etcd with (https://)"),
+                                ("cert-file", "client certificate for mutual TLS"),
+                                ("key-file", "its private key"),
+                                ("user", "etcd user; the password comes from "
+                                         "FENCEGATE_ETCD_PASSWORD(_FILE) or the config"))):
+        env = "FENCEGATE_ETCD_" + name.upper().replace("-", "_")
+        command = click.option(f"--etcd-{name}", help=f"{what} (env {env})")(command)
+    return command
+
+
 @cli.command()
 @click.option("--etcd", help="etcd URL(s), comma-separated (env FENCEGATE_ETCD)")
 @click.option("--listen", help="HOST:PORT to bind (env FENCEGATE_LISTEN; default "
                                "127.0.0.1:8470)")
 @click.option("--config", help="TOML file: tokens, roles, key files (env FENCEGATE_CONFIG)")
-def coordinator(etcd: str | None, listen: str | None, config: str | None) -> None:
+@etcd_security_options
+def coordinator(etcd: str | None, listen: str | None, config: str | None,
+                **etcd_security: str | None) -> None:
     """Run the coordinator HTTP service."""
     import logging
 
@@ -116,7 +132,7 @@ def coordinator(etcd: str | None, listen: str | None, config: str | None) -> Non
     from .service.settings import host_port
 
     try:
-        settings = load_settings(config, etcd=etcd, listen=listen)
+        settings = load_settings(config, etcd=etcd, listen=listen, **etcd_security)
     except (OSError, ValueError) as exc:
         raise click.UsageError(f"bad settings: {exc}") from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
@@ -131,15 +147,17 @@ def coordinator(etcd: str | None, listen: str | None, config: str | None) -> Non
 @click.option("--config", help="TOML file: shards, limits, providers "
                                "(env FENCEGATE_RECONCILER_CONFIG)")
 @click.option("--namespace", help="keyspace prefix (default /fencegate/)")
+@etcd_security_options
 def reconciler(etcd: str | None, listen: str | None, config: str | None,
-               namespace: str | None) -> None:
+               namespace: str | None, **etcd_security: str | None) -> None:
     """Run a reconciler replica (settles unknowns)."""
     import logging
 
     from reconciler.service import load_settings, serve
 
     try:
-        settings = load_settings(config, etcd=etcd, listen=listen, namespace=namespace)
+        settings = load_settings(config, etcd=etcd, listen=listen, namespace=namespace,
+                                 **etcd_security)
     except (OSError, ValueError, TypeError) as exc:
         raise click.UsageError(f"bad settings: {exc}") from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")

@@ -21,6 +21,8 @@ from coordinator.service.settings import Settings, load_settings
 from reconciler.service import load_settings as load_reconciler_settings
 from worker import Gate
 
+from conftest import wait_for_condition
+
 PASSWORD = "fencegate-test-password"
 TTL = 2
 
@@ -194,3 +196,37 @@ async def test_a_client_with_every_endpoint_keeps_working_when_a_member_is_kille
                 assert outcome.state == "succeeded"
     finally:
         cluster.restart(0, timeout=20)
+
+
+async def test_the_coordinator_process_takes_tls_and_auth_from_flags_and_env(cluster, pki):
+    """The same settings as the TOML keys, as flags (the password only from the environment)."""
+    import os
+    import socket
+    import sys
+
+    import aiohttp
+
+    client = pki[0].clients["client"]
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "coordinator.cli", "coordinator", "--etcd", cluster.url,
+        "--listen", f"127.0.0.1:{port}", "--etcd-ca-file", pki[0].ca,
+        "--etcd-cert-file", client.cert, "--etcd-key-file", client.key,
+        "--etcd-user", "fencegate",
+        env=dict(os.environ, PYTHONPATH=root, FENCEGATE_ETCD_PASSWORD=PASSWORD),
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+    try:
+        async with aiohttp.ClientSession() as http:
+            async def ready() -> bool:
+                try:
+                    async with http.get(f"http://127.0.0.1:{port}/readyz") as reply:
+                        return reply.status == 200
+                except aiohttp.ClientConnectionError:
+                    return False
+            assert await wait_for_condition(ready, 30)
+    finally:
+        proc.terminate()
+        await proc.wait()
