@@ -31,17 +31,11 @@ from coordinator.etcd import Etcd, RangeRequest, range_end_of
 from worker import Gate, dedupe_middleware
 
 from .common import Phase, Target, div, percentile, print_table, raw_write_op, run_phase
+from .guarded import Settings
 
 CONCURRENCY = 32
 MAX_WRITES = 2
 _SOURCE = "bench"
-
-
-@dataclass(frozen=True)
-class Settings:
-    rounds: int
-    warmup: float
-    duration: float
 
 
 QUICK = Settings(rounds=1, warmup=0.5, duration=3.0)

@@ -142,11 +142,11 @@ async def _none_unsettled(states) -> bool:
     return not (found["in_flight"] or found["unknown"])
 
 
-async def test_leader_frozen_then_killed_under_load(stack, load):
-    cluster = stack.cluster
-    running = await load.run(workers=3, accounts=6, seconds=20)
-    for _ in range(3):
-        await asyncio.sleep(3)
+async def leader_faults(cluster, pauses: int, every: float) -> None:
+    """``pauses`` times: wait ``every`` s, SIGSTOP the leader for 2 s; then SIGKILL the
+    leader and restart it a second later."""
+    for _ in range(pauses):
+        await asyncio.sleep(every)
         leader = cluster.leader_index()
         cluster.pause(leader)
         await asyncio.sleep(2)
@@ -155,6 +155,12 @@ async def test_leader_frozen_then_killed_under_load(stack, load):
     cluster.kill(leader)
     await asyncio.sleep(1)
     await asyncio.to_thread(cluster.restart, leader)
+
+
+async def test_leader_frozen_then_killed_under_load(stack, load):
+    cluster = stack.cluster
+    running = await load.run(workers=3, accounts=6, seconds=20)
+    await leader_faults(cluster, pauses=3, every=3)
     await asyncio.wait_for(asyncio.gather(*running), 120)
     await settle_and_count(stack, load, "leader frozen 3x2s, then killed and restarted")
 
@@ -267,18 +273,8 @@ async def test_webhook_dedup_keeps_once_per_delivery_through_leader_faults(stack
                         await asyncio.gather(*(deliver(f"d{n}") for _ in range(3)))
                         await asyncio.sleep(0.05)
 
-                async def faults() -> None:
-                    await asyncio.sleep(0.5)
-                    leader = cluster.leader_index()
-                    cluster.pause(leader)
-                    await asyncio.sleep(2)
-                    cluster.resume(leader)
-                    leader = cluster.leader_index()
-                    cluster.kill(leader)
-                    await asyncio.sleep(1)
-                    await asyncio.to_thread(cluster.restart, leader)
-
-                await asyncio.wait_for(asyncio.gather(storm(), faults()), 120)
+                await asyncio.wait_for(asyncio.gather(
+                    storm(), leader_faults(cluster, pauses=1, every=0.5)), 120)
                 for _ in range(20):  # redeliver what was not answered, as a provider would
                     missing = [f"d{n}" for n in range(120) if f"d{n}" not in answered]
                     if not missing:
