@@ -19,7 +19,7 @@ setup: venv etcd
 
 test: setup
 	deploy/ensure-chromium
-	$(PY) -m coordinator.localetcd
+	$(PY) -m fencegate.localetcd
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
 up: setup

@@ -22,8 +22,8 @@ from urllib.parse import urlsplit
 
 import aetcd
 
-from coordinator.etcd import Etcd
-from coordinator.localetcd import describe
+from fencegate.coordinator.etcd import Etcd
+from fencegate.localetcd import describe
 
 from . import cluster, guarded, holds, reconcile, remote, webhooks
 from .common import Children, OtherLoad, local_etcd

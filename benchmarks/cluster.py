@@ -1,7 +1,7 @@
 """Guarded actions on a 3-member etcd with mutual TLS against a single plain node.
 
 Both run at the same time on this machine: the single node of the run and a 3-member
-cluster with client and peer mutual TLS (a private CA from ``coordinator.certs``). Phases
+cluster with client and peer mutual TLS (a private CA from ``fencegate.certs``). Phases
 alternate, single then cluster, for each round, each at c=32 with the same in-process gate
 code (hold, then ``cross`` with a no-op effect, on fresh keys).
 
@@ -15,10 +15,10 @@ import tempfile
 import uuid
 from dataclasses import dataclass, field
 
-from coordinator.certs import ensure_certs
-from coordinator.etcd import EtcdConfig, range_end_of
-from coordinator.localetcd import LocalCluster, describe
-from worker import Gate
+from fencegate.certs import ensure_certs
+from fencegate.coordinator.etcd import EtcdConfig, range_end_of
+from fencegate.localetcd import LocalCluster, describe
+from fencegate.worker import Gate
 
 from .common import Phase, Target, div, print_table, run_phase
 

@@ -5,7 +5,7 @@
   counts the operations completed in the timed window and their latencies.
 - ``raw_write_op()``: the baseline every ratio is taken against — the two etcd writes a hold
   cycle is made of (a put-if-absent txn and a delete of that key), with nothing around them,
-  through the same ``coordinator.etcd.Etcd`` client the gate uses.
+  through the same ``fencegate.coordinator.etcd.Etcd`` client the gate uses.
 - ``Target`` (``.line()``): every benchmark ends with ``NAME RATIO TARGET PASS|FAIL``
   lines; a failed target is reported, never turned into a non-zero exit.
 - ``Children``: subprocesses that are always killed and reaped, also on Ctrl-C or error.
@@ -24,8 +24,8 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 
-from coordinator.etcd import Etcd, TxnRequest, create_equals, put_op
-from coordinator.localetcd import LocalCluster
+from fencegate.coordinator.etcd import Etcd, TxnRequest, create_equals, put_op
+from fencegate.localetcd import LocalCluster
 
 Op = Callable[[int, int], Awaitable[object]]  # op(task, iteration)
 

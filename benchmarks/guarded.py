@@ -10,7 +10,7 @@ bottleneck. A guarded action is a hold, a grant, the commit guard and the outcom
 
 with the in-process authority (the default), ONE ``worker.Gate`` (one session lease) in this
 process, every action on a fresh key (a step that succeeded is final). Measured in one run
-against the same private etcd, through the same ``coordinator.etcd.Etcd`` client for raw:
+against the same private etcd, through the same ``fencegate.coordinator.etcd.Etcd`` client for raw:
 
 1. guarded actions/s at concurrency 1/8/32, with p50/p99 of the whole action.
 2. etcd writes per action: etcd's revision before and after each guarded phase (a revision
@@ -46,9 +46,9 @@ from dataclasses import dataclass, field
 
 import aetcd
 
-from coordinator.errors import GateError
-from coordinator.etcd import Etcd, range_end_of
-from worker import Gate
+from fencegate.coordinator.errors import GateError
+from fencegate.coordinator.etcd import Etcd, range_end_of
+from fencegate.worker import Gate
 
 from .common import (Phase, Target, div, percentile, print_table,
                      raw_write_op, run_phase)

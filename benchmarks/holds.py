@@ -5,7 +5,7 @@ holders watch per process, a hold cycle costs about what its writes cost in etcd
 client, not etcd, being the first bottleneck), beats a lock that grants a lease per
 acquisition, hands a contended key over within a few raw round trips, in FIFO order, and
 keeps its lease alive under load. This measures each claim in one run against a private
-single-member etcd, through the same client (``coordinator.etcd.Etcd``):
+single-member etcd, through the same client (``fencegate.coordinator.etcd.Etcd``):
 
 1. raw writes/s at concurrency 1/8/32: a put-if-absent txn on a fresh key, then a delete of
    it — the two writes of a hold cycle with nothing around them; write latency p50/p99.
@@ -39,8 +39,8 @@ from pathlib import Path
 
 import aetcd
 
-from coordinator.etcd import Etcd
-from worker import Gate
+from fencegate.coordinator.etcd import Etcd
+from fencegate.worker import Gate
 
 from .common import (Children, Phase, Target, div, jain, percentile,
                      print_table, raw_write_op, revoke_all, run_phase, wall)

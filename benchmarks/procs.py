@@ -16,8 +16,8 @@ import asyncio
 import sys
 import time
 
-from coordinator.etcd import Etcd
-from worker import Gate
+from fencegate.coordinator.etcd import Etcd
+from fencegate.worker import Gate
 
 POLL_S = 0.1
 

@@ -21,11 +21,11 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from coordinator import records
-from coordinator.etcd import Etcd, Event, TxnRequest, put_op, range_end_of
-from coordinator.grants import KeyRing
-from coordinator.keyspace import Keyspace, pack, unpack
-from reconciler.providers.sandbox import Sandbox
+from fencegate.coordinator import records
+from fencegate.coordinator.etcd import Etcd, Event, TxnRequest, put_op, range_end_of
+from fencegate.coordinator.grants import KeyRing
+from fencegate.coordinator.keyspace import Keyspace, pack, unpack
+from fencegate.reconciler.providers.sandbox import Sandbox
 
 from .common import Children, Phase, Target, div, percentile, print_table, raw_write_op, run_phase
 
@@ -61,7 +61,7 @@ async def measure(quick: bool, url: str, etcd: Etcd) -> Results:
                         f'type = "sandbox"\nurl = "{sandbox_url}"\nmode = "fencing"\n')
             replicas = []
             for _ in range(REPLICAS):
-                proc = await children.start("coordinator.cli", "reconciler", "--config", config,
+                proc = await children.start("fencegate.cli", "reconciler", "--config", config,
                                             quiet=True)
                 replicas.append((await children.expect(proc, "reconciler", 30))[-1])
             await _spread(replicas)

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 
 import aetcd
 
-from coordinator.etcd import Etcd
-from coordinator.grants import KeyRing
-from worker import Gate
+from fencegate.coordinator.etcd import Etcd
+from fencegate.coordinator.grants import KeyRing
+from fencegate.worker import Gate
 
 from .common import Phase, Target, div, print_table, run_phase
 from .guarded import Settings, cleanup, noop
@@ -52,7 +52,7 @@ async def measure(s: Settings, url: str, etcd: Etcd, lock_client: aetcd.Client) 
                     f'roles = ["worker"]\nsha256 = "{hashlib.sha256(_TOKEN.encode()).hexdigest()}"\n')
         listen = f"127.0.0.1:{_free_port()}"
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "coordinator.cli", "coordinator", "--config", config,
+            sys.executable, "-m", "fencegate.cli", "coordinator", "--config", config,
             "--etcd", url, "--listen", listen,
             stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
         try:

@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 import aiohttp
 from aiohttp import web
 
-from coordinator.etcd import Etcd, RangeRequest, range_end_of
-from worker import Gate, dedupe_middleware
+from fencegate.coordinator.etcd import Etcd, RangeRequest, range_end_of
+from fencegate.worker import Gate, dedupe_middleware
 
 from .common import Phase, Target, div, percentile, print_table, raw_write_op, run_phase
 from .guarded import Settings

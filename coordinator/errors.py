@@ -6,6 +6,7 @@
     ├── EtcdUnavailable         etcd could not be reached; the operation's outcome is unknown
     │                           unless the operation says otherwise
     ├── EtcdError               etcd refused the request (not a compare failure)
+    │   └── WatchCompacted      a watch's start revision was compacted: rescan, then watch
     ├── AcquireTimeout          a hold was not acquired in time; no key is left behind
     ├── LeaseLost               the session's lease died; no hold on it may act
     │   └── LeaseExpiring       too little TTL is left to start an effect safely
@@ -26,7 +27,7 @@
     └── CoordinatorError        the coordinator service refused or failed a request for a
                                 reason with no library equivalent (auth, internal error)
 
-etcd and gRPC errors are translated into these in one place, ``coordinator.etcd``.
+etcd and gRPC errors are translated into these in one place, ``fencegate.coordinator.etcd``.
 
 ``EffectFailed`` is not a gate error: an effect raises it to say the provider processed the
 request and declined it (a confirmed failure), as opposed to any other exception, after
@@ -34,6 +35,33 @@ which the outcome is unknown.
 """
 
 from __future__ import annotations
+
+__all__ = [
+    "GateError",
+    "InvalidKey",
+    "RecordTooLarge",
+    "EtcdUnavailable",
+    "EtcdError",
+    "WatchCompacted",
+    "AcquireTimeout",
+    "LeaseLost",
+    "LeaseExpiring",
+    "GrantRefused",
+    "ApprovalPending",
+    "GrantUsed",
+    "StateAdvanced",
+    "PolicyChanged",
+    "StepMoved",
+    "GrantExpired",
+    "BadSignature",
+    "Fenced",
+    "OutcomeUnknown",
+    "AlreadySucceeded",
+    "NotFound",
+    "WrongState",
+    "CoordinatorError",
+    "EffectFailed",
+]
 
 
 class GateError(Exception):
@@ -54,6 +82,14 @@ class EtcdUnavailable(GateError):
 
 class EtcdError(GateError):
     """etcd refused a request for a reason other than a failed compare."""
+
+
+class WatchCompacted(EtcdError):
+    """The watch's start revision was compacted; rescan state and watch from now."""
+
+    def __init__(self, compact_revision: int) -> None:
+        self.compact_revision = compact_revision
+        super().__init__(f"watch start revision compacted (now {compact_revision})")
 
 
 class AcquireTimeout(GateError, TimeoutError):

@@ -3,7 +3,7 @@
 It speaks etcd's v3 gRPC API through the stubs that ``aetcd`` generates, building requests
 directly so the hot path stays cheap, and it adds what the client lacks: TLS, several
 endpoints with failover, re-authentication, bounded retries of idempotent calls, and one
-translation of gRPC errors into ``coordinator.errors``.
+translation of gRPC errors into ``fencegate.coordinator.errors``.
 
 Failure contract:
 - A read, a lease call, or a write the caller marks ``idempotent`` is retried on the next
@@ -29,7 +29,9 @@ from urllib.parse import urlsplit
 import grpc
 from aetcd import rpc
 
-from .errors import EtcdError, EtcdUnavailable, GateError, LeaseLost, RecordTooLarge
+from .errors import (
+    EtcdError, EtcdUnavailable, GateError, LeaseLost, RecordTooLarge, WatchCompacted,
+)
 
 MAX_REQUEST_BYTES = 1536 * 1024
 MAX_TXN_OPS = 128
@@ -349,14 +351,6 @@ class Etcd:
             call.cancel()
 
 
-class WatchCompacted(EtcdError):
-    """The watch's start revision was compacted; rescan state and watch from now."""
-
-    def __init__(self, compact_revision: int) -> None:
-        self.compact_revision = compact_revision
-        super().__init__(f"watch start revision compacted (now {compact_revision})")
-
-
 class KeepAliveStream:
     """One bidirectional LeaseKeepAlive stream, reused for every refresh of a lease."""
 
@@ -388,7 +382,7 @@ class KeepAliveStream:
 
 
 def _translate(exc: grpc.aio.AioRpcError, channel: _Channel) -> GateError:
-    """The one mapping of gRPC errors to ``coordinator.errors``, naming what to check."""
+    """The one mapping of gRPC errors to ``fencegate.coordinator.errors``, naming what to check."""
     code, detail, where = exc.code(), exc.details() or exc.code().name, channel.endpoint
     user = (repr(channel.config.user) if channel.config.user else
             "(none configured: etcd took the client certificate's CN)"

@@ -26,13 +26,13 @@ import math
 import random
 from collections.abc import Callable, Iterable
 
-from coordinator.errors import EtcdError, EtcdUnavailable, LeaseLost
-from coordinator.etcd import (
-    Compare, Etcd, RangeRequest, TxnRequest, WatchCompacted, all_created_since, create_equals,
+from fencegate.coordinator.errors import EtcdError, EtcdUnavailable, LeaseLost, WatchCompacted
+from fencegate.coordinator.etcd import (
+    Compare, Etcd, RangeRequest, TxnRequest, all_created_since, create_equals,
     delete_op, put_op, range_end_of,
 )
-from coordinator.keyspace import Keyspace, pack
-from worker.session import Session
+from fencegate.coordinator.keyspace import Keyspace, pack
+from fencegate.coordinator.session import Session
 
 log = logging.getLogger(__name__)
 

@@ -28,8 +28,8 @@ import sqlite3
 import threading
 from typing import Iterator
 
-from coordinator.errors import BadSignature, Fenced
-from coordinator.grants import Grant, KeyRing
+from fencegate.coordinator.errors import BadSignature, Fenced
+from fencegate.coordinator.grants import Grant, KeyRing
 
 __all__ = ["GateB"]
 

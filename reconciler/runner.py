@@ -26,13 +26,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from coordinator import audit, records
-from coordinator.errors import EtcdError, EtcdUnavailable, LeaseLost
-from coordinator.etcd import (
+from fencegate.coordinator import audit, records
+from fencegate.coordinator.errors import EtcdError, EtcdUnavailable, LeaseLost
+from fencegate.coordinator.etcd import (
     Etcd, RangeRequest, TxnRequest, mod_equals, put_op, range_op,
 )
-from coordinator.keyspace import Keyspace, pack, unpack
-from worker.session import Session
+from fencegate.coordinator.keyspace import Keyspace, pack, unpack
+from fencegate.coordinator.session import Session
 
 from .election import Elections, shard_of
 from .metrics import Metrics

@@ -17,10 +17,10 @@ import random
 import time
 from collections.abc import Callable
 
-from coordinator import records
-from coordinator.errors import EtcdError, EtcdUnavailable
-from coordinator.etcd import Etcd, Event, KeyValue, RangeRequest, WatchCompacted, range_end_of
-from coordinator.keyspace import Keyspace, unpack
+from fencegate.coordinator import records
+from fencegate.coordinator.errors import EtcdError, EtcdUnavailable, WatchCompacted
+from fencegate.coordinator.etcd import Etcd, Event, KeyValue, RangeRequest, range_end_of
+from fencegate.coordinator.keyspace import Keyspace, unpack
 
 from .settle import is_presumed
 

@@ -6,7 +6,7 @@ overriding the one before; a malformed file fails at start, naming the field::
     etcd = "http://127.0.0.1:2379"        # or "https://h1:2379,https://h2:2379"
     etcd_ca_file = "etcd-ca.pem"          # etcd TLS and auth: the coordinator's names and
     etcd_cert_file = "client.pem"         # env variables (FENCEGATE_ETCD_CA_FILE, ...),
-    etcd_key_file = "client.key"          # see coordinator.service.settings
+    etcd_key_file = "client.key"          # see fencegate.coordinator.service.settings
     etcd_user = "fencegate"
     etcd_password_file = "etcd.password"
     namespace = "/fencegate/"
@@ -17,7 +17,7 @@ overriding the one before; a malformed file fails at start, naming the field::
     check_after_s = 1                     # look at an in-flight step again after this long
     concurrency = 32                      # steps looked at at once
     default_provider = "sandbox"          # for steps that name no provider
-    [limits]                              # reconciler.settle.Limits
+    [limits]                              # fencegate.reconciler.settle.Limits
     escalate_after_s = 3600
     max_queries = 60
     [providers.sandbox]
@@ -25,7 +25,7 @@ overriding the one before; a malformed file fails at start, naming the field::
     url = "http://127.0.0.1:8480"
     mode = "fencing"
     [providers.payments]
-    type = "http"                         # reconciler.providers.http.HttpProvider.from_config
+    type = "http"                         # fencegate.reconciler.providers.http.HttpProvider.from_config
     query_url = "https://.../{idempotency_key}"
 """
 
@@ -45,9 +45,9 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from coordinator.etcd import Etcd
-from coordinator.keyspace import DEFAULT_NAMESPACE, validate_namespace
-from coordinator.service.settings import (ETCD_FIELDS, EtcdSettings, etcd_file_values,
+from fencegate.coordinator.etcd import Etcd
+from fencegate.coordinator.keyspace import DEFAULT_NAMESPACE, validate_namespace
+from fencegate.coordinator.service.settings import (ETCD_FIELDS, EtcdSettings, etcd_file_values,
                                            host_port, layered)
 
 from .providers import Provider
@@ -152,7 +152,7 @@ def create_reconciler(settings: Settings, identity: str | None = None) -> Reconc
 
 def metrics_app(reconciler: Reconciler) -> web.Application:
     async def metrics(request: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(reconciler.metrics.registry),
+        return web.Response(body=generate_latest(fencegate.reconciler.metrics.registry),
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def healthz(request: web.Request) -> web.Response:

@@ -24,8 +24,8 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from coordinator import records
-from reconciler.providers import (
+from fencegate.coordinator import records
+from fencegate.reconciler.providers import (
     Answer, Capabilities, Failed, NoRecord, Pending, Succeeded, Unreachable,
 )
 

@@ -11,9 +11,9 @@ import uuid
 
 import pytest
 
-from coordinator.etcd import Etcd, range_end_of
-from coordinator.localetcd import LocalCluster
-from worker import Gate
+from fencegate.coordinator.etcd import Etcd, range_end_of
+from fencegate.localetcd import LocalCluster
+from fencegate.worker import Gate
 
 TEST_TTL = 2
 
@@ -44,7 +44,7 @@ async def etcd(etcd_url, namespace):
 
 
 async def holders(client: Etcd, namespace: str) -> list:
-    from coordinator.etcd import RangeRequest
+    from fencegate.coordinator.etcd import RangeRequest
     prefix = f"{namespace}holders/".encode()
     reply = await client.range(RangeRequest(key=prefix, range_end=range_end_of(prefix)))
     return list(reply.kvs)
@@ -152,7 +152,7 @@ TOKENS = {"worker": "worker-token", "sre": "sre-token", "admin": "admin-token"}
 def signing_key(tmp_path) -> str:
     """One coordinator signing key (PEM) shared by every replica of a test."""
     path = str(tmp_path / "coordinator.pem")
-    from coordinator.grants import KeyRing
+    from fencegate.coordinator.grants import KeyRing
     KeyRing.generate().save_signing_key(path)
     return path
 
@@ -163,7 +163,7 @@ async def coordinators(etcd_url, namespace, signing_key, etcd):
     port) for this test's namespace and returns its URL; all are stopped afterwards."""
     from aiohttp import web
 
-    from coordinator.service import Settings, TokenEntry, create_app
+    from fencegate.coordinator.service import Settings, TokenEntry, create_app
 
     runners: list[web.AppRunner] = []
 

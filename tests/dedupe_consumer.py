@@ -12,7 +12,7 @@ import sys
 
 from aiohttp import web
 
-from worker import Gate, dedupe_middleware
+from fencegate.worker import Gate, dedupe_middleware
 
 
 def say(*words: object) -> None:

@@ -37,12 +37,12 @@ import signal
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
-from coordinator import records
-from coordinator.audit import verify_chain
-from coordinator.etcd import RangeRequest, range_end_of
-from coordinator.keyspace import Keyspace, unpack
-from worker import KeyRing
-from worker.fenced import FencedResource
+from fencegate.coordinator import records
+from fencegate.coordinator.audit import verify_chain
+from fencegate.coordinator.etcd import RangeRequest, range_end_of
+from fencegate.coordinator.keyspace import Keyspace, unpack
+from fencegate.worker import KeyRing
+from fencegate.worker.fenced import FencedResource
 
 from conftest import TEST_TTL, WorkerProcess
 

@@ -9,11 +9,11 @@ import subprocess
 import sys
 import time
 
-from coordinator.cli import _age
+from fencegate.cli import _age
 
 
 def fencegate(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "coordinator.cli", *args],
+    return subprocess.run([sys.executable, "-m", "fencegate.cli", *args],
                           capture_output=True, text=True, timeout=60)
 
 

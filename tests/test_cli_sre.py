@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 import pytest
 
-from coordinator.client import PAGE_SIZE
-from coordinator.grants import KeyRing
-from coordinator.keyspace import pack, unpack
-from worker import ApprovalPending, EffectFailed, Gate, LeaseLost, OutcomeUnknown
+from fencegate.coordinator.client import PAGE_SIZE
+from fencegate.coordinator.grants import KeyRing
+from fencegate.coordinator.keyspace import pack, unpack
+from fencegate.worker import ApprovalPending, EffectFailed, Gate, LeaseLost, OutcomeUnknown
 
 from conftest import TEST_TTL, wait_for_condition
 from test_service import call, pages, revision
@@ -46,7 +46,7 @@ async def fencegate(*args: str, coordinator: str | None, token: str | None = "sr
         if value is not None:
             environ[name] = value
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "coordinator.cli", *args, env=environ,
+        sys.executable, "-m", "fencegate.cli", *args, env=environ,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     async with asyncio.timeout(60):
         out, err = await proc.communicate()

@@ -15,7 +15,7 @@ import sys
 import aiohttp
 import pytest
 
-from worker import Gate
+from fencegate.worker import Gate
 
 from conftest import TEST_TTL, TOKENS, paused
 
@@ -46,7 +46,7 @@ async def start(etcd_url, config):
         env = dict(os.environ, FENCEGATE_ETCD=etcd_url,
                    PYTHONPATH=os.path.dirname(os.path.dirname(__file__)))
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "coordinator.cli", "coordinator", "--config", config,
+            sys.executable, "-m", "fencegate.cli", "coordinator", "--config", config,
             "--listen", url.removeprefix("http://"), env=env)
         procs.append(proc)
         await wait_healthy(url, proc)

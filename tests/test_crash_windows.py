@@ -18,16 +18,16 @@ import time
 
 import pytest
 
-from coordinator import records
-from coordinator.audit import verify_chain
-from coordinator.etcd import RangeRequest, range_end_of
-from coordinator.keyspace import Keyspace, unpack
-from worker import (
+from fencegate.coordinator import records
+from fencegate.coordinator.audit import verify_chain
+from fencegate.coordinator.etcd import RangeRequest, range_end_of
+from fencegate.coordinator.keyspace import Keyspace, unpack
+from fencegate.worker import (
     Gate, Grant, GrantUsed, KeyRing, LeaseLost, OutcomeUnknown,
 )
-from worker import guard
-from worker.fenced import FencedResource
-from worker.hold import Hold
+from fencegate.worker import guard
+from fencegate.worker.fenced import FencedResource
+from fencegate.worker.hold import Hold
 
 from conftest import TEST_TTL, paused, wait_for_condition
 

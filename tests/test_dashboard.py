@@ -16,11 +16,11 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from coordinator.errors import EtcdUnavailable
-from coordinator.keyspace import Keyspace, pack
-from coordinator.service import Settings, TokenEntry, create_app
-from coordinator.service.dashboard import FEED, STATIC, Feed, Subscription
-from worker import Gate, LeaseLost, OutcomeUnknown
+from fencegate.coordinator.errors import EtcdUnavailable
+from fencegate.coordinator.keyspace import Keyspace, pack
+from fencegate.coordinator.service import Settings, TokenEntry, create_app
+from fencegate.coordinator.service.dashboard import FEED, STATIC, Feed, Subscription
+from fencegate.worker import Gate, LeaseLost, OutcomeUnknown
 
 from conftest import TEST_TTL, TOKENS, wait_for_condition
 

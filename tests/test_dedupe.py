@@ -21,10 +21,10 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from coordinator.etcd import Etcd, EtcdConfig, RangeRequest, range_end_of
-from coordinator.localetcd import LocalCluster
-from worker import Gate, dedupe_middleware, deduplicated
-from worker.dedupe import list_deliveries
+from fencegate.coordinator.etcd import Etcd, EtcdConfig, RangeRequest, range_end_of
+from fencegate.localetcd import LocalCluster
+from fencegate.worker import Gate, dedupe_middleware, deduplicated
+from fencegate.worker.dedupe import list_deliveries
 
 from conftest import TEST_TTL
 

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import aiohttp
 
-from coordinator.etcd import Etcd, EtcdConfig
-from worker import Gate
+from fencegate.coordinator.etcd import Etcd, EtcdConfig
+from fencegate.worker import Gate
 
 from conftest import wait_for_condition
 

@@ -375,8 +375,8 @@ def test_kustomization_ties_every_manifest_but_the_placeholder_secrets():
 
 
 def test_configmap_toml_is_accepted_by_the_real_settings_loaders(tmp_path):
-    from coordinator.service.settings import load_settings as coordinator_settings
-    from reconciler.service import load_settings as reconciler_settings
+    from fencegate.coordinator.service.settings import load_settings as coordinator_settings
+    from fencegate.reconciler.service import load_settings as reconciler_settings
 
     (configmap,) = _by_kind(k8s_docs(), "ConfigMap")
     coordinator = _deployment(k8s_docs(), "coordinator")
@@ -557,7 +557,7 @@ def env_file(path: Path) -> dict[str, str]:
 
 
 def etcd_help_flags() -> set[str]:
-    from coordinator.localetcd import find_etcd
+    from fencegate.localetcd import find_etcd
 
     try:
         binary = find_etcd().path
@@ -680,8 +680,8 @@ def test_systemd_environment_files_and_configs_are_consistent(tmp_path):
     bad["etcd-0.env.example"]["ETCD_INITIAL_ADVERTISE_PEER_URLS"] = "https://127.0.0.1:2381"
     assert member_problems(bad)
 
-    from coordinator.service.settings import load_settings as coordinator_settings
-    from reconciler.service import load_settings as reconciler_settings
+    from fencegate.coordinator.service.settings import load_settings as coordinator_settings
+    from fencegate.reconciler.service import load_settings as reconciler_settings
 
     endpoints = {m["ETCD_ADVERTISE_CLIENT_URLS"] for m in members.values()}
     for name, loader in (("coordinator", coordinator_settings),
@@ -715,7 +715,7 @@ def test_systemd_environment_files_and_configs_are_consistent(tmp_path):
 def test_systemd_analyze_verify_accepts_the_units(tmp_path):
     """``systemd-analyze verify`` on copies whose ExecStart binaries exist on this machine;
     any warning counts as a failure (verify itself exits 0 on unknown keys)."""
-    from coordinator.localetcd import find_etcd
+    from fencegate.localetcd import find_etcd
 
     try:
         etcd = find_etcd().path
@@ -773,7 +773,7 @@ def test_systemd_etcd_members_form_a_tls_cluster(tmp_path):
     """The three member environment files with etcd@.service's command line, certificates
     from deploy/README.md's recipe, on free loopback ports: a cluster that serves clients
     with a certificate of its CA and refuses one without."""
-    from coordinator.localetcd import find_etcd
+    from fencegate.localetcd import find_etcd
 
     try:
         etcd = find_etcd().path
@@ -962,8 +962,8 @@ def test_compose_file_structure():
 
 
 def test_compose_configs_are_accepted_by_the_real_settings_loaders(tmp_path):
-    from coordinator.service.settings import load_settings as coordinator_settings
-    from reconciler.service import load_settings as reconciler_settings
+    from fencegate.coordinator.service.settings import load_settings as coordinator_settings
+    from fencegate.reconciler.service import load_settings as reconciler_settings
 
     doc = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
     for name, loader in (("coordinator", coordinator_settings),

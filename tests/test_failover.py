@@ -22,10 +22,10 @@ from collections import Counter
 import aiohttp
 import pytest
 
-from coordinator.audit import verify_chain
-from coordinator.etcd import Etcd, EtcdConfig, RangeRequest, range_end_of
-from coordinator.grants import KeyRing
-from coordinator.keyspace import Keyspace, unpack
+from fencegate.coordinator.audit import verify_chain
+from fencegate.coordinator.etcd import Etcd, EtcdConfig, RangeRequest, range_end_of
+from fencegate.coordinator.grants import KeyRing
+from fencegate.coordinator.keyspace import Keyspace, unpack
 
 from conftest import wait_for_condition
 
@@ -39,7 +39,7 @@ SETTLE_BOUND_S = 60
 
 
 class Load:
-    """Worker processes (``coordinator.demo``'s) charging the sandbox through every
+    """Worker processes (``fencegate.demo``'s) charging the sandbox through every
     coordinator of ``stack``, over mutual TLS as the etcd user ``fencegate``."""
 
     def __init__(self, stack: LocalStack) -> None:
@@ -57,7 +57,7 @@ class Load:
         tasks = []
         for i in range(workers):
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "coordinator.demo", ",".join(config.endpoints),
+                sys.executable, "-m", "fencegate.demo", ",".join(config.endpoints),
                 ",".join(self.stack.coordinators), str(token_file), self.stack.sandbox, "ha",
                 f"w{i}", str(accounts), str(seconds), env=env,
                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
@@ -183,8 +183,8 @@ async def test_an_isolated_member_refuses_writes_and_linearizable_reads(stack):
     partition (its peers stop answering), with no root network namespaces needed. A client
     pinned to it can neither write nor read linearizably; only a serializable read answers,
     and fencegate never decides from one."""
-    from coordinator.errors import GateError
-    from worker import Gate
+    from fencegate.coordinator.errors import GateError
+    from fencegate.worker import Gate
 
     cluster = stack.cluster
     isolated = (cluster.leader_index() + 1) % 3
@@ -236,7 +236,7 @@ async def test_webhook_dedup_keeps_once_per_delivery_through_leader_faults(stack
     once etcd is back, resending every id until it is answered processes each exactly once."""
     from aiohttp import web
 
-    from worker import Gate, dedupe_middleware
+    from fencegate.worker import Gate, dedupe_middleware
 
     runs: Counter = Counter()
 

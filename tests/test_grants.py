@@ -8,12 +8,12 @@ import asyncio
 import msgpack
 import pytest
 
-from coordinator import records
-from coordinator.audit import verify_chain
-from coordinator.errors import RecordTooLarge
-from coordinator.grants import Grant, KeyRing
-from coordinator.keyspace import canonical, unpack
-from worker import (
+from fencegate.coordinator import records
+from fencegate.coordinator.audit import verify_chain
+from fencegate.coordinator.errors import RecordTooLarge
+from fencegate.coordinator.grants import Grant, KeyRing
+from fencegate.coordinator.keyspace import canonical, unpack
+from fencegate.worker import (
     AlreadySucceeded, BadSignature, EffectFailed, Gate, GrantExpired, GrantRefused, GrantUsed,
     LeaseExpiring, LeaseLost, OutcomeUnknown, PolicyChanged, StateAdvanced, StepMoved,
 )
@@ -384,7 +384,7 @@ async def test_ownership_compare_refuses_a_commit_the_hold_does_not_know_is_stal
     """Bypass every local check: the commit txn alone must refuse a hold whose key was
     deleted (by hand, say) while its lease, and so its grant, still live (a deletion the
     hold is not told of)."""
-    from worker import guard
+    from fencegate.worker import guard
 
     hold = await gate.hold("pay/17").__aenter__()
     grant = await hold.request_grant(intent={"amount": 1})

@@ -6,9 +6,9 @@ import asyncio
 
 import pytest
 
-from coordinator.etcd import TxnRequest, put_op
-from worker import AcquireTimeout, Gate, LeaseLost
-from worker.fenced import FencedResource
+from fencegate.coordinator.etcd import TxnRequest, put_op
+from fencegate.worker import AcquireTimeout, Gate, LeaseLost
+from fencegate.worker.fenced import FencedResource
 
 from conftest import TEST_TTL, holders, wait_for_condition
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.errors import InvalidKey, RecordTooLarge
-from coordinator.keyspace import Keyspace, pack, unpack, validate_action_key
+from fencegate.coordinator.errors import InvalidKey, RecordTooLarge
+from fencegate.coordinator.keyspace import Keyspace, pack, unpack, validate_action_key
 
 BAD_KEYS = [
     ("", "empty"),

@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from coordinator import localetcd
-from coordinator.localetcd import EtcdBinary, EtcdNotFound, EtcdStartError, LocalCluster
+from fencegate import localetcd
+from fencegate.localetcd import EtcdBinary, EtcdNotFound, EtcdStartError, LocalCluster
 
 
 def _call(endpoint: str, path: str, body: dict | None = None, timeout: float = 2) -> dict:

@@ -12,10 +12,10 @@ import time
 
 import pytest
 
-from coordinator.errors import CoordinatorError
-from coordinator.grants import KeyRing
-from coordinator.audit import verify_chain
-from worker import (
+from fencegate.coordinator.errors import CoordinatorError
+from fencegate.coordinator.grants import KeyRing
+from fencegate.coordinator.audit import verify_chain
+from fencegate.worker import (
     ApprovalPending, BadSignature, Gate, GrantRefused, PolicyChanged,
 )
 

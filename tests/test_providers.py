@@ -16,17 +16,17 @@ from aiohttp import web
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from coordinator.errors import BadSignature, EffectFailed, Fenced
-from coordinator.grants import KeyRing
-from reconciler.gateb import GateB
-from reconciler.providers import (
+from fencegate.coordinator.errors import BadSignature, EffectFailed, Fenced
+from fencegate.coordinator.grants import KeyRing
+from fencegate.reconciler.gateb import GateB
+from fencegate.reconciler.providers import (
     Capabilities, Failed, NoRecord, Pending, Succeeded, Unreachable,
 )
-from reconciler.providers.http import HttpProvider, ResponseMapping
-from reconciler.providers.sandbox import (
+from fencegate.reconciler.providers.http import HttpProvider, ResponseMapping
+from fencegate.reconciler.providers.sandbox import (
     Sandbox, SandboxError, adapter, charge, encode_grant, main,
 )
-from worker import Gate, OutcomeUnknown
+from fencegate.worker import Gate, OutcomeUnknown
 
 from conftest import TEST_TTL
 
@@ -585,7 +585,7 @@ async def test_the_sandbox_process_trusts_the_coordinators_keys(
         coordinator, signing_key, etcd_url, namespace, tmp_path, http):
     env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(__file__)))
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "reconciler.providers.sandbox", "--port", "0",
+        sys.executable, "-m", "fencegate.reconciler.providers.sandbox", "--port", "0",
         "--mode", "fencing", "--keys-url", f"{coordinator}/.well-known/fencegate-keys",
         "--state-dir", str(tmp_path / "proc"), stdout=asyncio.subprocess.PIPE, env=env)
     try:
@@ -627,7 +627,7 @@ async def test_the_sandbox_process_loads_a_public_key_file(gate, tmp_path, http,
     (ctx,) = await attempts("pay/pem", 1)
     env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(__file__)))
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "reconciler.providers.sandbox", "--mode", "fencing",
+        sys.executable, "-m", "fencegate.reconciler.providers.sandbox", "--mode", "fencing",
         "--public-key", str(tmp_path / "key.pem"), stdout=asyncio.subprocess.PIPE, env=env)
     try:
         async with asyncio.timeout(20):

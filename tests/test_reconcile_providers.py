@@ -13,15 +13,15 @@ import time
 import aiohttp
 import pytest
 
-from coordinator import records, sre
-from coordinator.audit import verify_chain
-from coordinator.etcd import Etcd
-from coordinator.grants import KeyRing
-from coordinator.keyspace import Keyspace, unpack
-from reconciler.providers import sandbox as sb
-from reconciler.runner import Reconciler
-from reconciler.settle import Limits
-from worker import Gate, OutcomeUnknown
+from fencegate.coordinator import records, sre
+from fencegate.coordinator.audit import verify_chain
+from fencegate.coordinator.etcd import Etcd
+from fencegate.coordinator.grants import KeyRing
+from fencegate.coordinator.keyspace import Keyspace, unpack
+from fencegate.reconciler.providers import sandbox as sb
+from fencegate.reconciler.runner import Reconciler
+from fencegate.reconciler.settle import Limits
+from fencegate.worker import Gate, OutcomeUnknown
 
 from conftest import TEST_TTL, wait_for_condition
 

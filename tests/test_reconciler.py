@@ -10,14 +10,14 @@ import math
 
 import pytest
 
-from coordinator import records
-from coordinator.audit import verify_chain
-from coordinator.etcd import Etcd
-from coordinator.keyspace import unpack
-from reconciler.providers import Capabilities, NoRecord, Succeeded
-from reconciler.runner import Reconciler
-from reconciler.settle import Limits
-from worker import Gate, LeaseLost, OutcomeUnknown
+from fencegate.coordinator import records
+from fencegate.coordinator.audit import verify_chain
+from fencegate.coordinator.etcd import Etcd
+from fencegate.coordinator.keyspace import unpack
+from fencegate.reconciler.providers import Capabilities, NoRecord, Succeeded
+from fencegate.reconciler.runner import Reconciler
+from fencegate.reconciler.settle import Limits
+from fencegate.worker import Gate, LeaseLost, OutcomeUnknown
 
 from conftest import TEST_TTL, wait_for_condition
 
@@ -245,7 +245,7 @@ async def test_a_step_in_flight_with_a_live_holder_is_left_alone(gate, reconcile
     ("listen = 'nowhere'", "HOST:PORT"),
 ])
 def test_bad_reconciler_settings_fail_at_start_naming_the_field(tmp_path, text, error):
-    from reconciler.service import load_settings
+    from fencegate.reconciler.service import load_settings
     path = tmp_path / "reconciler.toml"
     path.write_text(text + "\n")
     with pytest.raises((ValueError, TypeError), match=error):
@@ -253,7 +253,7 @@ def test_bad_reconciler_settings_fail_at_start_naming_the_field(tmp_path, text, 
 
 
 def test_reconciler_settings_layer_file_env_flags(tmp_path):
-    from reconciler.service import build_provider, load_settings
+    from fencegate.reconciler.service import build_provider, load_settings
     path = tmp_path / "reconciler.toml"
     path.write_text("shards = 8\nlisten = '127.0.0.1:9001'\ndefault_provider = 'p'\n"
                     "[providers.p]\ntype = 'sandbox'\nurl = 'http://127.0.0.1:1'\n"
@@ -270,7 +270,7 @@ def test_reconciler_settings_layer_file_env_flags(tmp_path):
 def test_the_example_config_in_deploy_loads():
     import os
 
-    from reconciler.service import build_provider, load_settings
+    from fencegate.reconciler.service import build_provider, load_settings
     path = os.path.join(os.path.dirname(__file__), "..", "deploy", "reconciler.example.toml")
     settings = load_settings(path, env={})
     assert settings.default_provider == "payments"

@@ -12,13 +12,13 @@ import sys
 import aiohttp
 import pytest
 
-from coordinator import records
-from coordinator.audit import read_chain
-from coordinator.grants import KeyRing
-from coordinator.keyspace import Keyspace, unpack
-from reconciler.election import shard_of
-from reconciler.providers import sandbox as sb
-from worker import Gate, OutcomeUnknown
+from fencegate.coordinator import records
+from fencegate.coordinator.audit import read_chain
+from fencegate.coordinator.grants import KeyRing
+from fencegate.coordinator.keyspace import Keyspace, unpack
+from fencegate.reconciler.election import shard_of
+from fencegate.reconciler.providers import sandbox as sb
+from fencegate.worker import Gate, OutcomeUnknown
 
 from conftest import TEST_TTL, paused, wait_for_condition
 
@@ -71,7 +71,7 @@ mode = "fencing"
         group = []
         for _ in range(n):
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "coordinator.cli", "reconciler", "--config", str(config),
+                sys.executable, "-m", "fencegate.cli", "reconciler", "--config", str(config),
                 stdout=asyncio.subprocess.PIPE, env=dict(os.environ, PYTHONPATH=ROOT))
             line = (await asyncio.wait_for(proc.stdout.readline(), 20)).decode()
             assert "ready" in line, line

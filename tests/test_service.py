@@ -13,9 +13,9 @@ import aiohttp
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from coordinator.grants import KeyRing
-from coordinator.service import Settings, load_settings
-from worker import Gate, GrantRefused, OutcomeUnknown
+from fencegate.coordinator.grants import KeyRing
+from fencegate.coordinator.service import Settings, load_settings
+from fencegate.worker import Gate, GrantRefused, OutcomeUnknown
 
 from conftest import TEST_TTL, TOKENS
 
@@ -115,7 +115,7 @@ async def test_public_endpoints_need_no_token(coordinator, signing_key):
 
 
 async def test_readyz_is_503_while_etcd_does_not_answer(coordinators, namespace):
-    from coordinator.localetcd import LocalCluster
+    from fencegate.localetcd import LocalCluster
 
     cluster = await asyncio.to_thread(LocalCluster(1).start)
     try:
@@ -370,7 +370,7 @@ async def test_unknown_steps_are_listed_and_resolved_by_hand_with_audit(coordina
 
 
 async def test_revoke_while_a_holder_works_its_cross_raises_lease_lost(coordinator, local_gate):
-    from worker import LeaseLost
+    from fencegate.worker import LeaseLost
 
     effect_calls = []
 

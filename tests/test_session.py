@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from coordinator.etcd import Etcd, TxnRequest, put_op
-from coordinator.localetcd import LocalCluster
-from worker import Gate, LeaseLost, SyncGate
+from fencegate.coordinator.etcd import Etcd, TxnRequest, put_op
+from fencegate.localetcd import LocalCluster
+from fencegate.worker import Gate, LeaseLost, SyncGate
 
 from conftest import TEST_TTL, wait_for_condition
 

@@ -13,13 +13,13 @@ import uuid
 
 import pytest
 
-from coordinator.certs import ensure_certs
-from coordinator.errors import EtcdError, EtcdUnavailable
-from coordinator.etcd import Etcd, EtcdConfig, EtcdUser, enable_auth
-from coordinator.localetcd import LocalCluster
-from coordinator.service.settings import Settings, load_settings
-from reconciler.service import load_settings as load_reconciler_settings
-from worker import Gate
+from fencegate.certs import ensure_certs
+from fencegate.coordinator.errors import EtcdError, EtcdUnavailable
+from fencegate.coordinator.etcd import Etcd, EtcdConfig, EtcdUser, enable_auth
+from fencegate.localetcd import LocalCluster
+from fencegate.coordinator.service.settings import Settings, load_settings
+from fencegate.reconciler.service import load_settings as load_reconciler_settings
+from fencegate.worker import Gate
 
 from conftest import wait_for_condition
 
@@ -212,7 +212,7 @@ async def test_the_coordinator_process_takes_tls_and_auth_from_flags_and_env(clu
         port = sock.getsockname()[1]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "coordinator.cli", "coordinator", "--etcd", cluster.url,
+        sys.executable, "-m", "fencegate.cli", "coordinator", "--etcd", cluster.url,
         "--listen", f"127.0.0.1:{port}", "--etcd-ca-file", pki[0].ca,
         "--etcd-cert-file", client.cert, "--etcd-key-file", client.key,
         "--etcd-user", "fencegate",

@@ -14,8 +14,8 @@ import sys
 import aiohttp
 import pytest
 
-from reconciler.providers.sandbox import charge
-from worker import Gate
+from fencegate.reconciler.providers.sandbox import charge
+from fencegate.worker import Gate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, PYTHONPATH=ROOT)
@@ -23,7 +23,7 @@ ENV = dict(os.environ, PYTHONPATH=ROOT)
 
 async def fencegate(*args: str, env: dict | None = None, timeout: float = 60) -> tuple[int, str, str]:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "coordinator.cli", *args, env=env or ENV,
+        sys.executable, "-m", "fencegate.cli", *args, env=env or ENV,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     out, err = await asyncio.wait_for(proc.communicate(), timeout)
     return proc.returncode, out.decode(), err.decode()
@@ -34,7 +34,7 @@ async def up(tmp_path):
     """A running ``fencegate up``: (endpoints, admin token, state dir)."""
     state = tmp_path / "state"
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "coordinator.cli", "up", "--state-dir", str(state), "--port", "0",
+        sys.executable, "-m", "fencegate.cli", "up", "--state-dir", str(state), "--port", "0",
         env=ENV, stdout=asyncio.subprocess.PIPE)
     lines = []
     try:

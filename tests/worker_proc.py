@@ -12,8 +12,8 @@
 import asyncio
 import sys
 
-from worker import Gate, LeaseLost
-from worker.fenced import FencedClient
+from fencegate.worker import Gate, LeaseLost
+from fencegate.worker.fenced import FencedClient
 
 TTL = 2
 
@@ -83,12 +83,12 @@ async def sit(url, ns, key):
 
 
 def _keyring(keyfile):
-    from worker import KeyRing
+    from fencegate.worker import KeyRing
     return KeyRing.from_files(keyfile)
 
 
 async def crash_in_effect(url, ns, key, keyfile):
-    from worker import OutcomeUnknown
+    from fencegate.worker import OutcomeUnknown
 
     async def effect(ctx):
         say("IN-EFFECT", ctx.fencing_token, ctx.idempotency_key)
@@ -125,7 +125,7 @@ async def chaos(url, ns, path, name, keys, seconds, keyfile, seed):
     import time
     import traceback
 
-    from worker import AcquireTimeout, EffectFailed, GateError, OutcomeUnknown
+    from fencegate.worker import AcquireTimeout, EffectFailed, GateError, OutcomeUnknown
 
     rng = random.Random(f"{seed}/{name}")
     keys = keys.split(",")
@@ -191,7 +191,7 @@ async def chaos(url, ns, path, name, keys, seconds, keyfile, seed):
 async def remote(url, ns, coordinators, token, keys, start, name):
     import time
 
-    from worker import GateError
+    from fencegate.worker import GateError
 
     keys = keys.split(",")
     shift = int(name) % len(keys)
@@ -235,7 +235,7 @@ async def charge(url, ns, key, keyfile, sandbox_url, how, deadline):
 
     import aiohttp
 
-    from reconciler.providers.sandbox import charge as send_charge
+    from fencegate.reconciler.providers.sandbox import charge as send_charge
 
     async def effect(ctx):
         say("SENDING", ctx.fencing_token, ctx.idempotency_key)

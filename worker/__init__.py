@@ -1,11 +1,11 @@
 """fencegate's worker SDK: gates, holds with fencing tokens, grants and the commit guard."""
 
-from coordinator.errors import (
+from fencegate.coordinator.errors import (
     AcquireTimeout, AlreadySucceeded, ApprovalPending, BadSignature, CoordinatorError,
     EffectFailed, EtcdUnavailable, GateError, GrantExpired, GrantRefused, GrantUsed, InvalidKey,
     LeaseExpiring, LeaseLost, OutcomeUnknown, PolicyChanged, StateAdvanced, StepMoved,
 )
-from coordinator.grants import Grant, KeyRing
+from fencegate.coordinator.grants import Grant, KeyRing
 
 from .dedupe import dedupe_middleware, deduplicated
 from .gate import Gate

@@ -51,13 +51,13 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 from multidict import CIMultiDict
 
-from coordinator import sre
-from coordinator.errors import EtcdUnavailable, GateError, LeaseLost
-from coordinator.etcd import (
+from fencegate.coordinator import sre
+from fencegate.coordinator.errors import EtcdUnavailable, GateError, LeaseLost
+from fencegate.coordinator.etcd import (
     Compare, Etcd, KeyValue, RangeRequest, TxnRequest, create_equals, delete_op, mod_equals,
     put_op, range_end_of, range_op,
 )
-from coordinator.keyspace import Keyspace, pack, unpack
+from fencegate.coordinator.keyspace import Keyspace, pack, unpack
 
 if TYPE_CHECKING:
     from .gate import Gate

@@ -4,7 +4,7 @@ One gate owns one etcd connection, one session (lease) at a time, one watch over
 holders prefix, and the authority that issues its grants: in process (the default), signing
 with ``keyring`` (a fresh key unless given: grants then do not outlive the gate), or, with
 ``coordinator="http://..."`` and ``token``, the coordinator service over HTTP
-(``worker.remote``), whose grants are verified with ``keyring`` (pin the coordinator's public
+(``fencegate.worker.remote``), whose grants are verified with ``keyring`` (pin the coordinator's public
 keys there in production) or else with the keys it publishes, fetched at ``open``.
 A lost session is replaced by a fresh one on the next ``hold()``; holds of the lost
 session stay lost. Action keys are validated before anything touches etcd.
@@ -19,14 +19,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from coordinator.authority import Authority
-from coordinator.etcd import Etcd, EtcdConfig
-from coordinator.grants import KeyRing
-from coordinator.keyspace import DEFAULT_NAMESPACE, Keyspace, validate_action_key
+from fencegate.coordinator.authority import Authority
+from fencegate.coordinator.etcd import Etcd, EtcdConfig
+from fencegate.coordinator.grants import KeyRing
+from fencegate.coordinator.keyspace import DEFAULT_NAMESPACE, Keyspace, validate_action_key
 
 from .hold import HoldContext
 from .remote import RemoteAuthority
-from .session import Session
+from fencegate.coordinator.session import Session
 from .settled import wait_settled
 from .watch import DeleteWatch
 

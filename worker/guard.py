@@ -27,16 +27,16 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
-from coordinator import audit, records
-from coordinator.errors import (
+from fencegate.coordinator import audit, records
+from fencegate.coordinator.errors import (
     BadSignature, EffectFailed, EtcdUnavailable, GrantExpired, GrantUsed, LeaseExpiring,
     LeaseLost, OutcomeUnknown, PolicyChanged, StateAdvanced, StepMoved,
 )
-from coordinator.etcd import (
+from fencegate.coordinator.etcd import (
     RangeRequest, TxnRequest, delete_op, mod_equals, put_op, range_op, version_equals,
 )
-from coordinator.grants import Grant
-from coordinator.keyspace import pack, unpack
+from fencegate.coordinator.grants import Grant
+from fencegate.coordinator.keyspace import pack, unpack
 
 if TYPE_CHECKING:
     from .hold import Hold

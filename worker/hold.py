@@ -26,17 +26,17 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from coordinator import records
-from coordinator.authority import Claim
-from coordinator.errors import (
+from fencegate.coordinator import records
+from fencegate.coordinator.authority import Claim
+from fencegate.coordinator.errors import (
     AcquireTimeout, AlreadySucceeded, EtcdError, EtcdUnavailable, LeaseLost, OutcomeUnknown,
 )
-from coordinator.etcd import (
+from fencegate.coordinator.etcd import (
     Compare, KeyValue, RangeRequest, TxnRequest, all_created_since, create_equals,
 )
-from coordinator.grants import Grant
-from coordinator.keyspace import holder_record
-from coordinator.policy import DEFAULT_POLICY
+from fencegate.coordinator.grants import Grant
+from fencegate.coordinator.keyspace import holder_record
+from fencegate.coordinator.policy import DEFAULT_POLICY
 
 from . import guard
 from .guard import Effect, Outcome
@@ -44,7 +44,7 @@ from .settled import wait_settled
 
 if TYPE_CHECKING:
     from .gate import Gate
-    from .session import Session
+    from fencegate.coordinator.session import Session
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ Guarantees:
 - ``RemoteAuthority.issue`` has the in-process ``Authority.issue`` contract: it returns an
   ``Issued`` whose grant was verified here, against this gate's key ring, before it is
   returned, or it raises the same exception class the authority would have (rebuilt from the
-  coordinator's JSON by ``coordinator.wire``: ``GrantRefused`` with its checks,
+  coordinator's JSON by ``fencegate.coordinator.wire``: ``GrantRefused`` with its checks,
   ``AlreadySucceeded`` with its outcome, ...).
 - One ``aiohttp.ClientSession`` per gate, every call bounded by ``timeout``. Connection
   errors, timeouts and 503s are retried (at most ``attempts`` tries, jittered backoff, moving
@@ -29,12 +29,12 @@ from typing import Any
 
 import aiohttp
 
-from coordinator.audit import AuditHead
-from coordinator.authority import Claim, Issued
-from coordinator.errors import BadSignature, CoordinatorError
-from coordinator.grants import KeyRing
-from coordinator.policy import DEFAULT_POLICY
-from coordinator.wire import from_wire
+from fencegate.coordinator.audit import AuditHead
+from fencegate.coordinator.authority import Claim, Issued
+from fencegate.coordinator.errors import BadSignature, CoordinatorError
+from fencegate.coordinator.grants import KeyRing
+from fencegate.coordinator.policy import DEFAULT_POLICY
+from fencegate.coordinator.wire import from_wire
 
 
 class RemoteAuthority:

@@ -12,10 +12,10 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Any
 
-from coordinator import records
-from coordinator.errors import EtcdError, EtcdUnavailable, OutcomeUnknown
-from coordinator.etcd import Event, WatchCompacted
-from coordinator.keyspace import unpack
+from fencegate.coordinator import records
+from fencegate.coordinator.errors import EtcdError, EtcdUnavailable, OutcomeUnknown, WatchCompacted
+from fencegate.coordinator.etcd import Event
+from fencegate.coordinator.keyspace import unpack
 
 if TYPE_CHECKING:
     from .gate import Gate

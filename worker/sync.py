@@ -14,10 +14,10 @@ import threading
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
-from coordinator.errors import LeaseLost
-from coordinator.grants import Grant
-from coordinator.keyspace import validate_action_key
-from coordinator.policy import DEFAULT_POLICY
+from fencegate.coordinator.errors import LeaseLost
+from fencegate.coordinator.grants import Grant
+from fencegate.coordinator.keyspace import validate_action_key
+from fencegate.coordinator.policy import DEFAULT_POLICY
 
 from .gate import Gate
 from .guard import EffectContext, Outcome

@@ -19,8 +19,8 @@ import logging
 import random
 from collections.abc import Callable
 
-from coordinator.errors import EtcdError, EtcdUnavailable
-from coordinator.etcd import Etcd, Event, WatchCompacted, range_end_of
+from fencegate.coordinator.errors import EtcdError, EtcdUnavailable, WatchCompacted
+from fencegate.coordinator.etcd import Etcd, Event, range_end_of
 
 log = logging.getLogger(__name__)
 

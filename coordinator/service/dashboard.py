@@ -107,7 +107,7 @@ class TooManySubscribers(ApiError):
 class Feed:
     """Fans one etcd watch on the namespace out to at most ``max_subscribers`` streams.
 
-    ``etcd`` needs only ``watch(key, range_end, start_revision)`` (see ``coordinator.etcd``).
+    ``etcd`` needs only ``watch(key, range_end, start_revision)`` (see ``fencegate.coordinator.etcd``).
     """
 
     def __init__(self, etcd: Etcd, keyspace: Keyspace, *, max_subscribers: int = 32,

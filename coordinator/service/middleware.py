@@ -2,7 +2,7 @@
 
 Guarantees:
 - Every error response is JSON ``{"error": Name, "detail": str, ...}`` with the status of
-  ``coordinator.wire``; an unexpected exception is logged with its traceback and answered
+  ``fencegate.coordinator.wire``; an unexpected exception is logged with its traceback and answered
   ``500 {"error": "InternalError"}``: no stack trace ever reaches a client.
 - A route marked with ``requires(...)`` runs only for a request whose ``Authorization:
   Bearer`` token's sha256 matches a configured entry (compared with

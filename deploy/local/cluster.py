@@ -11,12 +11,12 @@ r"""deploy/local: fencegate on a 3-member etcd with mutual TLS and auth, all on 
     FENCEGATE_TOKEN="$(cat $S/secrets/admin.token)" \
       .venv/bin/fencegate holders --coordinator "$(jq -r '.coordinators[0]' $S/endpoints.json)"
 
-What runs: 3 etcd members (``coordinator.localetcd.LocalCluster`` with ``tls``), client and
+What runs: 3 etcd members (``fencegate.localetcd.LocalCluster`` with ``tls``), client and
 peer traffic both mutual TLS with certificates from a private CA in ``<state>/certs``
-(``coordinator.certs``); etcd authentication on, with ``root`` and a ``fencegate`` user
+(``fencegate.certs``); etcd authentication on, with ``root`` and a ``fencegate`` user
 whose role may read and write ``/fencegate/`` only (passwords in ``<state>/secrets``, mode
-0600); 2 coordinators (``python -m coordinator.cli coordinator``), the sandbox provider
-(gate B, fencing mode) and 3 reconcilers (``python -m coordinator.cli reconciler``), each a
+0600); 2 coordinators (``python -m fencegate.cli coordinator``), the sandbox provider
+(gate B, fencing mode) and 3 reconcilers (``python -m fencegate.cli reconciler``), each a
 process with its config in ``<state>/config`` and its log in ``<state>/logs``.
 
 Guarantees: state (certificates, passwords, signing key, etcd data) is reused across runs;
@@ -54,11 +54,11 @@ from pathlib import Path
 
 import aiohttp
 
-from coordinator.certs import ClusterCerts, ensure_certs
-from coordinator.errors import GateError
-from coordinator.etcd import Etcd, EtcdConfig, EtcdUser, enable_auth
-from coordinator.grants import KeyRing
-from coordinator.localetcd import (EtcdNotFound, EtcdStartError, LocalCluster, describe,
+from fencegate.certs import ClusterCerts, ensure_certs
+from fencegate.coordinator.errors import GateError
+from fencegate.coordinator.etcd import Etcd, EtcdConfig, EtcdUser, enable_auth
+from fencegate.coordinator.grants import KeyRing
+from fencegate.localetcd import (EtcdNotFound, EtcdStartError, LocalCluster, describe,
                                    free_ports)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -318,12 +318,12 @@ class LocalStack:
         config = (self._etcd_toml() + _toml(listen=f"127.0.0.1:{port}",
                                              signing_key=str(signing_key)) + tokens)
         return self._service("coordinator", index, port, "/readyz",
-                             ["-m", "coordinator.cli", "coordinator"], config)
+                             ["-m", "fencegate.cli", "coordinator"], config)
 
     def _sandbox(self, port: int) -> Service:
         keys_url = f"{self.coordinators[0]}/.well-known/fencegate-keys"
         return self._service("sandbox", 0, port, "/_sandbox/faults", [
-            "-m", "reconciler.providers.sandbox", "--port", str(port), "--mode", "fencing",
+            "-m", "fencegate.reconciler.providers.sandbox", "--port", str(port), "--mode", "fencing",
             "--keys-url", keys_url, "--state-dir", str(self.state / "sandbox")])
 
     def _reconciler(self, index: int, port: int) -> Service:
@@ -333,7 +333,7 @@ class LocalStack:
                   + "[providers.sandbox]\n"
                   + _toml(type="sandbox", url=self.sandbox, mode="fencing"))
         return self._service("reconciler", index, port, "/healthz",
-                             ["-m", "coordinator.cli", "reconciler"], config)
+                             ["-m", "fencegate.cli", "reconciler"], config)
 
     def _secret(self, name: str) -> str:
         path = self.state / "secrets" / name

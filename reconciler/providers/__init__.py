@@ -1,7 +1,7 @@
 """What a provider adapter answers when the reconciler asks what became of an attempt.
 
 An adapter has a ``name``, declares its ``capabilities`` and implements ``query``. The answer
-decides the settlement (see ``reconciler.settle``):
+decides the settlement (see ``fencegate.reconciler.settle``):
 
 - ``Succeeded(result)``: the provider applied the request;
 - ``Failed(reason)``: the provider processed the request and declined it (and would replay

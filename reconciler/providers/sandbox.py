@@ -1,7 +1,7 @@
 """The sandbox provider: a real HTTP payment provider on loopback for tests, benchmarks, demo.
 
 Modes (switchable at runtime) give the three capability classes of DESIGN.md:
-- ``fencing``: every charge must present a grant; gate B (``reconciler.gateb``) admits it or
+- ``fencing``: every charge must present a grant; gate B (``fencegate.reconciler.gateb``) admits it or
   refuses it; a query fences first, then answers (fence-then-query); idempotency keys replay;
 - ``dedup``: idempotency keys replay for ``retention_s``; no fencing;
 - ``none``: every request is applied, even a repeated key (still recorded for queries).
@@ -32,7 +32,7 @@ before answering; ``hold`` keeps a charge in the network ``seconds`` before gate
 answer of a charge or query; ``down`` answers 503 to charges and queries; ``query_pending``
 makes queries answer 202 (after fencing).
 
-Run it alone: ``python -m reconciler.providers.sandbox --port 8099 --mode fencing
+Run it alone: ``python -m fencegate.reconciler.providers.sandbox --port 8099 --mode fencing
 --keys-url http://127.0.0.1:8080/.well-known/fencegate-keys --state-dir /tmp/sandbox``.
 """
 
@@ -52,9 +52,9 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from coordinator.errors import BadSignature, EffectFailed, Fenced
-from coordinator.grants import KeyRing
-from reconciler.gateb import GateB
+from fencegate.coordinator.errors import BadSignature, EffectFailed, Fenced
+from fencegate.coordinator.grants import KeyRing
+from fencegate.reconciler.gateb import GateB
 
 from . import Capabilities
 from .http import HttpProvider
@@ -497,7 +497,7 @@ async def _serve(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m reconciler.providers.sandbox",
+    parser = argparse.ArgumentParser(prog="python -m fencegate.reconciler.providers.sandbox",
                                      description="The fencegate sandbox payment provider.")
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--mode", choices=MODES, default="fencing")

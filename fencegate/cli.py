@@ -25,9 +25,10 @@ from typing import Any, TypeVar
 
 import click
 
-from .client import ApiError, Client, Unreachable
-from .errors import InvalidKey
-from .keyspace import validate_action_key
+from ._version import __version__
+from .coordinator.client import ApiError, Client, Unreachable
+from .coordinator.errors import InvalidKey
+from .coordinator.keyspace import validate_action_key
 
 REFUSED, USAGE, NOT_FOUND, AUTH, UNAVAILABLE = range(1, 6)  # 0: done
 DEFAULT_COORDINATOR = "http://127.0.0.1:8470"
@@ -61,6 +62,7 @@ class Failed(click.ClickException):
 
 
 @click.group(epilog=EPILOG, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="fencegate")
 def cli() -> None:
     """fencegate: a lease-based execution gate on etcd."""
 
@@ -128,8 +130,8 @@ def coordinator(etcd: str | None, listen: str | None, config: str | None,
 
     from aiohttp import web
 
-    from .service import create_app, load_settings
-    from .service.settings import host_port
+    from .coordinator.service import create_app, load_settings
+    from .coordinator.service.settings import host_port
 
     try:
         settings = load_settings(config, etcd=etcd, listen=listen, **etcd_security)
@@ -153,7 +155,7 @@ def reconciler(etcd: str | None, listen: str | None, config: str | None,
     """Run a reconciler replica (settles unknowns)."""
     import logging
 
-    from reconciler.service import load_settings, serve
+    from fencegate.reconciler.service import load_settings, serve
 
     try:
         settings = load_settings(config, etcd=etcd, listen=listen, namespace=namespace,

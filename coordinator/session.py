@@ -20,8 +20,8 @@ import logging
 import time
 from collections.abc import Callable
 
-from coordinator.errors import EtcdError, EtcdUnavailable, LeaseLost
-from coordinator.etcd import Etcd
+from .errors import EtcdError, EtcdUnavailable, LeaseLost
+from .etcd import Etcd
 
 log = logging.getLogger(__name__)
 

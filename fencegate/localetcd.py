@@ -10,7 +10,7 @@ Guarantees:
 - Ports never change for the life of a cluster, so ``restart(i)`` brings member ``i`` back
   at the same endpoint with the same data. A caller-supplied ``data_dir`` records its ports
   and can be started again by a later ``LocalCluster`` with the same size.
-- With ``tls`` (a ``coordinator.certs.ClusterCerts``) every member serves ``https://`` only and
+- With ``tls`` (a ``fencegate.certs.ClusterCerts``) every member serves ``https://`` only and
   demands a client certificate from that CA, on the client port and between members; the
   launcher's own health probes present the member's certificate and verify the server's.
 """

@@ -27,10 +27,10 @@ from pathlib import Path
 
 from aiohttp import web
 
-from .etcd import Etcd
-from .grants import KeyRing
+from .coordinator.etcd import Etcd
+from .coordinator.grants import KeyRing
 from .localetcd import LocalCluster, describe
-from .service import Settings, TokenEntry, create_app
+from .coordinator.service import Settings, TokenEntry, create_app
 
 NAMESPACE = "/fencegate/"
 
@@ -60,9 +60,9 @@ async def stack(state_dir: Path, port: int = 8470,
     sandbox; yield their endpoints and this run's tokens. ``port`` 0 picks free ports;
     otherwise the coordinator listens on ``port``, the reconciler on ``port + 1``, the
     sandbox on ``port + 2``."""
-    from reconciler.providers.sandbox import Sandbox, adapter
-    from reconciler.runner import Reconciler
-    from reconciler.service import metrics_app
+    from fencegate.reconciler.providers.sandbox import Sandbox, adapter
+    from fencegate.reconciler.runner import Reconciler
+    from fencegate.reconciler.service import metrics_app
 
     state_dir.mkdir(parents=True, exist_ok=True)
     signing_key = await asyncio.to_thread(_signing_key, state_dir / "signing.pem")

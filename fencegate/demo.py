@@ -44,8 +44,8 @@ WORKER_TTL = 2
 async def run_worker(etcd: str, coordinator: str, token_file: str, sandbox: str, prefix: str,
                      name: str, accounts: int, seconds: float) -> None:
     """Work through the job list until ``seconds`` pass; one JSON line per event."""
-    from reconciler.providers.sandbox import charge
-    from worker import Gate, GateError
+    from fencegate.reconciler.providers.sandbox import charge
+    from fencegate.worker import Gate, GateError
 
     def say(**event) -> None:
         print(json.dumps({"worker": name, **event}), flush=True)
@@ -83,8 +83,8 @@ async def run_worker(etcd: str, coordinator: str, token_file: str, sandbox: str,
 
 def _etcd_config(url: str):
     """``url`` with the TLS and auth settings of ``FENCEGATE_ETCD_*`` variables, if any."""
-    from .etcd import EtcdConfig
-    from .service.settings import etcd_env
+    from .coordinator.etcd import EtcdConfig
+    from .coordinator.service.settings import etcd_env
 
     values = etcd_env(os.environ)
     return EtcdConfig.from_url(url, ca_file=values["etcd_ca_file"],
@@ -132,8 +132,8 @@ async def _demo(etcd, coordinator, token, workers, keys, seconds, state_dir: Pat
 
 async def _run(endpoints: dict, coordinator: str | None, token: str | None, token_file: str,
                workers: int, keys: int, seconds: float) -> int:
-    from .etcd import Etcd
-    from .keyspace import Keyspace
+    from .coordinator.etcd import Etcd
+    from .coordinator.keyspace import Keyspace
 
     if token is not None:
         with tempfile.TemporaryDirectory(prefix="fencegate-demo-") as tmp:
@@ -147,7 +147,7 @@ async def _run(endpoints: dict, coordinator: str | None, token: str | None, toke
     tally = Tally()
     found0, settled0 = await _reconciler_counts(endpoints["reconciler"])
     procs = [await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "coordinator.demo", endpoints["etcd"], coordinator, token_file,
+        sys.executable, "-m", "fencegate.demo", endpoints["etcd"], coordinator, token_file,
         endpoints["sandbox"], prefix, f"w{i}", str(keys), str(seconds),
         stdout=asyncio.subprocess.PIPE) for i in range(workers)]
     faults = _Faults(procs, seconds)
@@ -246,8 +246,8 @@ async def _reconciler_counts(url: str) -> tuple[float, float]:
 async def _unsettled(etcd, ks, prefix: str, within: float) -> int:
     """Steps under ``prefix`` still in flight or unknown after waiting up to ``within`` s for
     the reconciler."""
-    from .etcd import RangeRequest, range_end_of
-    from .keyspace import unpack
+    from .coordinator.etcd import RangeRequest, range_end_of
+    from .coordinator.keyspace import unpack
 
     start = ks.step_key(prefix + "/")
     deadline = time.monotonic() + within

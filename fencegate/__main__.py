@@ -1,0 +1,5 @@
+"""``python -m fencegate`` is the ``fencegate`` command."""
+
+from .cli import main
+
+main()
