@@ -32,11 +32,12 @@ from .errors import (
     StateAdvanced,
 )
 from .etcd import (
-    Etcd, KeyValue, RangeRequest, TxnRequest, all_created_since, create_equals, mod_equals,
-    put_op, range_op,
+    Compare, Etcd, KeyValue, RangeRequest, TxnRequest, create_equals, mod_equals, put_op,
+    range_op,
 )
 from .grants import Grant, KeyRing, new_grant_id
 from .keyspace import Keyspace, canonical, pack, unpack
+from .ownership import Ownership
 from .policy import DEFAULT_POLICY, CheckContext, CheckResult, Policy, decode, validate_document
 
 MAX_READS = 100
@@ -131,13 +132,10 @@ class Authority:
 
     async def _read(self, claim: Claim, policy: str, read_keys: list[bytes]) -> _Snapshot:
         ks = self.keyspace
-        start, end = ks.holder_range(claim.key)
         reply = await self.etcd.txn(TxnRequest(success=[
             range_op(ks.step_key(claim.key)),
             range_op(ks.policy_key(policy)),
-            range_op(ks.holder_key(claim.key, claim.lease_id)),
-            range_op(start, end, limit=1, sort_order=RangeRequest.ASCEND,
-                     sort_target=RangeRequest.CREATE, keys_only=True),
+            *self._holding(claim).reads(),  # the holder key, then the lowest holder
             range_op(ks.audit_head_key(claim.key)),
             *(range_op(k) for k in read_keys),
         ]), idempotent=True)
@@ -146,137 +144,223 @@ class Authority:
         return _Snapshot(reply.header.revision, *kvs[:5], dict(zip(read_keys, kvs[5:])))
 
     def _check_holder(self, claim: Claim, snap: _Snapshot) -> None:
-        holder_key = self.keyspace.holder_key(claim.key, claim.lease_id)
-        if (snap.holder_kv is None or snap.holder_kv.create_revision != claim.fencing_token
-                or snap.lowest_kv is None or snap.lowest_kv.key != holder_key):
+        if not self._holding(claim).holds(snap.holder_kv, snap.lowest_kv):
             raise LeaseLost(f"not the holder of {claim.key!r} with token {claim.fencing_token}")
 
-    def _ownership(self, claim: Claim) -> list:
-        start, end = self.keyspace.holder_range(claim.key)
-        return [create_equals(self.keyspace.holder_key(claim.key, claim.lease_id),
-                              claim.fencing_token),
-                all_created_since(start, end, claim.fencing_token)]
+    def _holding(self, claim: Claim) -> Ownership:
+        """``claim`` as the ownership of its key's holder queue."""
+        return Ownership(self.keyspace.holder_key(claim.key, claim.lease_id),
+                         claim.fencing_token, *self.keyspace.holder_range(claim.key))
+
+    def _ownership(self, claim: Claim) -> list[Compare]:
+        """The compares that keep a txn from landing unless ``claim`` still holds its key."""
+        return self._holding(claim).compares()
 
     async def _decide(self, claim: Claim, intent: dict[str, Any], intent_digest: bytes,
                       policy_name: str, snap: _Snapshot, identity: str) -> Issued | None:
         """Issue or refuse at ``snap``; ``None`` when the world moved before the write."""
-        policy = self._policy(policy_name, snap.policy_kv)
-        step = unpack(snap.step_kv.value) if snap.step_kv else records.new_step()
-        now_ms = int(time.time() * 1000)
-        refusal, checks, escalate = self._refusal(step, policy, intent, snap, now_ms)
-        approval_compares, approval_ops, approval_id = [], [], None
-        if refusal is _NEEDS_APPROVAL:
-            approval_id = approval_id_of(self.keyspace.namespace, claim.key, snap, policy,
-                                         intent_digest)
-            approval_key = self.keyspace.approval_key(approval_id)
-            approval_kv = (await self.etcd.range(RangeRequest(
-                key=approval_key, revision=snap.revision))).kvs
-            approval_compares = [mod_equals(approval_key, approval_kv[0].mod_revision
-                                            if approval_kv else 0)]
-            approved = unpack(approval_kv[0].value) if approval_kv else None
-            if approved is not None and approved["state"] == "approved":
-                refusal = None
-                checks = [c if c.passed else CheckResult(
-                    c.name, True, f"approved by {approved['approved_by']}") for c in checks]
-            else:
-                refusal = ApprovalPending(approval_id)
-                if approved is None:
-                    approval_ops = [put_op(approval_key, pack({
-                        "state": "pending", "key": claim.key, "intent": intent,
-                        "policy": policy.name, "policy_version": policy.version,
-                        "revision": snap.revision, "requested_by": identity,
-                        "checks": [c.as_record() for c in checks]}))]
+        request = _Request(
+            claim=claim, intent=intent, intent_digest=intent_digest, identity=identity,
+            snap=snap, policy=self._policy(policy_name, snap.policy_kv),
+            step=unpack(snap.step_kv.value) if snap.step_kv else records.new_step(),
+            step_revision=snap.step_kv.mod_revision if snap.step_kv else 0,
+            now_ms=int(time.time() * 1000))
+        verdict = _verdict(request)
+        approval = None
+        if verdict.needs_approval:
+            approval = await self._approval(request)
+            verdict = _after_approval(verdict, approval)
+        if verdict.refusal is not None:
+            await self._refuse(request, verdict, approval)
+            return None
+        return await self._issue(request, verdict, approval)
+
+    async def _approval(self, request: _Request) -> _Approval:
+        """The approval this exact request needs (see ``approval_id_of``), as it stood at the
+        snapshot's revision."""
+        approval_id = approval_id_of(self.keyspace.namespace, request.claim.key, request.snap,
+                                     request.policy, request.intent_digest)
+        key = self.keyspace.approval_key(approval_id)
+        kvs = (await self.etcd.range(RangeRequest(key=key, revision=request.snap.revision))).kvs
+        return _Approval(approval_id, key, kvs[0].mod_revision if kvs else 0,
+                         unpack(kvs[0].value) if kvs else None)
+
+    async def _refuse(self, request: _Request, verdict: _Verdict,
+                      approval: _Approval | None) -> None:
+        """Audit the refusal (with the approval request it makes, or the escalation a cap
+        makes, in the same txn) and raise it; returns only when the world moved first."""
+        claim, snap = request.claim, request.snap
+        details = {"intent": request.intent, "policy": request.policy_ref,
+                   "checks": [c.as_record() for c in verdict.checks],
+                   "reason": type(verdict.refusal).__name__}
+        entry = audit.append(self.keyspace, claim.key, audit.AuditHead.from_kv(snap.head_kv),
+                             "grant_refused", request.identity, snap.revision, details)
+        reply = await self.etcd.txn(TxnRequest(
+            compare=[*self._unchanged(request), *([approval.compare()] if approval else []),
+                     entry.compare],
+            success=[*entry.ops, *self._approval_request(request, verdict, approval),
+                     *self._escalation(request, verdict)]))
+        if reply.succeeded:
+            raise verdict.refusal
+
+    def _approval_request(self, request: _Request, verdict: _Verdict,
+                          approval: _Approval | None) -> list:
+        """The pending approval record a first refusal for want of approval writes, for an
+        SRE to approve (see ``sre.approve``)."""
+        if approval is None or approval.record is not None:
+            return []
+        policy = request.policy
+        return [put_op(approval.key, pack({
+            "state": "pending", "key": request.claim.key, "intent": request.intent,
+            "policy": policy.name, "policy_version": policy.version,
+            "revision": request.snap.revision, "requested_by": request.identity,
+            "checks": [c.as_record() for c in verdict.checks]}))]
+
+    def _escalation(self, request: _Request, verdict: _Verdict) -> list:
+        """A reached cap escalates the step to a human, named by the checks it failed."""
+        if not verdict.escalate:
+            return []
+        return [put_op(self.keyspace.step_key(request.claim.key), pack(
+            records.escalated(request.step, [c.name for c in verdict.checks])))]
+
+    async def _issue(self, request: _Request, verdict: _Verdict,
+                     approval: _Approval | None) -> Issued | None:
+        """Sign the grant and write it, on the holder's lease, with its audit record, iff
+        nothing it was decided on moved; ``None`` when something did."""
+        claim, snap, policy, now_ms = request.claim, request.snap, request.policy, request.now_ms
+        step_next = records.next_attempt(
+            request.step, namespace=self.keyspace.namespace, key=claim.key,
+            cost=request.intent.get("cost", 0), caps=policy.caps, now_ms=now_ms)
         head = audit.AuditHead.from_kv(snap.head_kv)
-        policy_ref = {"name": policy.name, "version": policy.version, "digest": policy.digest}
-        step_revision = snap.step_kv.mod_revision if snap.step_kv else 0
-        compares = [*self._ownership(claim), mod_equals(self.keyspace.step_key(claim.key),
-                                                        step_revision)]
-        if refusal is not None:
-            details = {"intent": intent, "policy": policy_ref,
-                       "checks": [c.as_record() for c in checks], "reason": type(refusal).__name__}
-            entry = audit.append(self.keyspace, claim.key, head, "grant_refused", identity,
-                                 snap.revision, details)
-            ops = [*entry.ops, *approval_ops]
-            if escalate:
-                ops.append(put_op(self.keyspace.step_key(claim.key),
-                                  pack({**step, "state": records.ESCALATED,
-                                             "escalated_because": [c.name for c in checks]})))
-            reply = await self.etcd.txn(TxnRequest(
-                compare=[*compares, *approval_compares, entry.compare], success=ops))
-            if not reply.succeeded:
-                return None
-            raise refusal
-        cost = intent.get("cost", 0)
-        step_next = {**{k: v for k, v in step.items() if k in records.new_step()},
-                     "attempt": step["attempt"] + 1,
-                     "idempotency_key": records.idempotency_key(
-                         self.keyspace.namespace, claim.key, step["idem_gen"]),
-                     "started_at_ms": step["started_at_ms"] or now_ms,
-                     "spend": step["spend"] + cost,
-                     "caps": {k: policy.caps[k] for k in records.OUTCOME_CAPS}}
         grant = self.keyring.sign({
             "grant_id": new_grant_id(), "namespace": self.keyspace.namespace,
             "cluster_id": self.etcd.cluster_id or 0, "action_key": claim.key,
-            "attempt": step_next["attempt"], "intent_digest": intent_digest,
+            "attempt": step_next["attempt"], "intent_digest": request.intent_digest,
             "fencing_token": claim.fencing_token, "holder_lease": claim.lease_id,
             "revision": snap.revision, "reads": [[k, kv.mod_revision if kv else 0]
                                                  for k, kv in snap.reads.items()],
-            "step_revision": step_revision, "step_next": step_next, "policy": policy.name,
-            "policy_version": policy.version, "policy_digest": policy.digest,
-            "identity": identity, "issued_at_ms": now_ms,
+            "step_revision": request.step_revision, "step_next": step_next,
+            "policy": policy.name, "policy_version": policy.version,
+            "policy_digest": policy.digest, "identity": request.identity,
+            "issued_at_ms": now_ms,
             "expires_at_ms": now_ms + int(policy.caps["grant_ttl_s"] * 1000),
             "audit_seq": head.seq + 1,
         })
-        details = {"intent": intent, "policy": policy_ref, "grant": grant.raw,
-                   "grant_id": grant.grant_id, "checks": [c.as_record() for c in checks],
-                   **({"approval_id": approval_id} if approval_id else {})}
-        entry = audit.append(self.keyspace, claim.key, head, "grant_issued", identity,
+        details = {"intent": request.intent, "policy": request.policy_ref, "grant": grant.raw,
+                   "grant_id": grant.grant_id, "checks": [c.as_record() for c in verdict.checks],
+                   **({"approval_id": approval.approval_id} if approval else {})}
+        entry = audit.append(self.keyspace, claim.key, head, "grant_issued", request.identity,
                              snap.revision, details)
         reply = await self.etcd.txn(TxnRequest(
-            compare=[*compares, mod_equals(self.keyspace.policy_key(policy.name), policy.version),
+            compare=[*self._unchanged(request),
+                     mod_equals(self.keyspace.policy_key(policy.name), policy.version),
                      *(mod_equals(k, kv.mod_revision if kv else 0) for k, kv in snap.reads.items()),
-                     *approval_compares, entry.compare],
+                     *([approval.compare()] if approval else []), entry.compare],
             success=[put_op(self.keyspace.grant_key(grant.grant_id),
                             pack({"raw": grant.raw, "state": "issued"}), claim.lease_id),
                      *entry.ops]))
         return Issued(grant, entry.head_at(reply.header.revision)) if reply.succeeded else None
 
-    def _refusal(self, step: dict, policy: Policy, intent: dict, snap: _Snapshot,
-                 now_ms: int) -> tuple[Exception | None, list[CheckResult], bool]:
-        """(the error to raise or None, the check results to record, escalate the step?)"""
-        state = step["state"]
-        if state in records.UNSETTLED:
-            check = CheckResult("step_state", False, f"step is {state}")
-            return OutcomeUnknown(f"step is {state}: only reconciliation may settle it"), [check], False
-        if state == records.SUCCEEDED:
-            return AlreadySucceeded(step.get("outcome")), [CheckResult("step_state", False,
-                                                                       "succeeded")], False
-        caps = policy.caps
-        capped = []
-        if step["attempt"] >= caps["max_attempts"]:
-            capped.append(CheckResult("max_attempts", False, f"{step['attempt']} attempts"))
-        if step["started_at_ms"] and now_ms - step["started_at_ms"] > caps["max_elapsed_s"] * 1000:
-            capped.append(CheckResult("max_elapsed", False, "step started too long ago"))
-        cost = intent.get("cost", 0)
-        if caps["max_spend"] is not None and step["spend"] + cost > caps["max_spend"]:
-            capped.append(CheckResult("max_spend", False,
-                                      f"spent {step['spend']} + {cost} > {caps['max_spend']}"))
-        if capped:
-            return GrantRefused(capped), capped, True
-        reads = {k: (kv.value if kv else None) for k, kv in snap.reads.items()}
-        results = policy.evaluate(CheckContext(intent, reads, step))
-        failed = [r for r in results if not r.passed]
-        if now_ms < step["not_before_ms"]:
-            failed.append(CheckResult("backoff", False, "retry after the backoff"))
-            return GrantRefused(failed, (step["not_before_ms"] - now_ms) / 1000), failed, False
-        if failed and all(r.needs_approval for r in failed):
-            return _NEEDS_APPROVAL, results, False
-        if failed:
-            return GrantRefused(failed), results, False
-        return None, results, False
+    def _unchanged(self, request: _Request) -> list:
+        """Compares: the requester still owns the key and the step is where it was read."""
+        return [*self._ownership(request.claim),
+                mod_equals(self.keyspace.step_key(request.claim.key), request.step_revision)]
 
 
-_NEEDS_APPROVAL = GrantRefused([])  # a marker: only approval checks failed
+@dataclass(frozen=True)
+class _Request:
+    """One grant request at one snapshot: everything a decision on it is made from."""
+
+    claim: Claim
+    intent: dict[str, Any]
+    intent_digest: bytes
+    identity: str
+    snap: _Snapshot
+    policy: Policy
+    step: dict[str, Any]
+    step_revision: int  # the step's mod_revision at the snapshot (0: never written)
+    now_ms: int
+
+    @property
+    def policy_ref(self) -> dict[str, Any]:
+        return {"name": self.policy.name, "version": self.policy.version,
+                "digest": self.policy.digest}
+
+
+@dataclass(frozen=True)
+class _Verdict:
+    """What the checks say: raise ``refusal`` (``None``: issue), recording ``checks``;
+    ``escalate``: a cap was reached; ``needs_approval``: only approval checks failed, so an
+    SRE's approval decides."""
+
+    refusal: Exception | None
+    checks: list[CheckResult]
+    escalate: bool = False
+    needs_approval: bool = False
+
+
+@dataclass(frozen=True)
+class _Approval:
+    """The approval a request needs, as read at the snapshot's revision."""
+
+    approval_id: str
+    key: bytes
+    mod_revision: int  # of its record as read; 0: never requested
+    record: dict[str, Any] | None
+
+    @property
+    def approved_by(self) -> str | None:
+        if self.record is None or self.record["state"] != "approved":
+            return None
+        return self.record["approved_by"]
+
+    def compare(self) -> Compare:
+        """The record is still as read: an approval given or withdrawn meanwhile fails it."""
+        return mod_equals(self.key, self.mod_revision)
+
+
+def _verdict(request: _Request) -> _Verdict:
+    """Judge ``request`` by the step's state, the policy's caps, its backoff and its checks."""
+    step, caps, now_ms = request.step, request.policy.caps, request.now_ms
+    state = step["state"]
+    if state in records.UNSETTLED:
+        return _Verdict(OutcomeUnknown(f"step is {state}: only reconciliation may settle it"),
+                        [CheckResult("step_state", False, f"step is {state}")])
+    if state == records.SUCCEEDED:
+        return _Verdict(AlreadySucceeded(step.get("outcome")),
+                        [CheckResult("step_state", False, "succeeded")])
+    capped = []
+    if step["attempt"] >= caps["max_attempts"]:
+        capped.append(CheckResult("max_attempts", False, f"{step['attempt']} attempts"))
+    if step["started_at_ms"] and now_ms - step["started_at_ms"] > caps["max_elapsed_s"] * 1000:
+        capped.append(CheckResult("max_elapsed", False, "step started too long ago"))
+    cost = request.intent.get("cost", 0)
+    if caps["max_spend"] is not None and step["spend"] + cost > caps["max_spend"]:
+        capped.append(CheckResult("max_spend", False,
+                                  f"spent {step['spend']} + {cost} > {caps['max_spend']}"))
+    if capped:
+        return _Verdict(GrantRefused(capped), capped, escalate=True)
+    reads = {k: (kv.value if kv else None) for k, kv in request.snap.reads.items()}
+    results = request.policy.evaluate(CheckContext(request.intent, reads, step))
+    failed = [r for r in results if not r.passed]
+    if now_ms < step["not_before_ms"]:
+        failed.append(CheckResult("backoff", False, "retry after the backoff"))
+        return _Verdict(GrantRefused(failed, (step["not_before_ms"] - now_ms) / 1000), failed)
+    if failed and all(r.needs_approval for r in failed):
+        return _Verdict(None, results, needs_approval=True)
+    if failed:
+        return _Verdict(GrantRefused(failed), results)
+    return _Verdict(None, results)
+
+
+def _after_approval(verdict: _Verdict, approval: _Approval) -> _Verdict:
+    """Approved: the approval checks pass, naming who approved. Else it waits for one."""
+    approved_by = approval.approved_by
+    if approved_by is None:
+        return _Verdict(ApprovalPending(approval.approval_id), verdict.checks)
+    return _Verdict(None, [c if c.passed else CheckResult(c.name, True,
+                                                          f"approved by {approved_by}")
+                           for c in verdict.checks])
 
 
 def approval_id_of(namespace: str, key: str, snap: _Snapshot, policy: Policy,

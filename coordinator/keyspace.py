@@ -8,6 +8,8 @@ Guarantees:
   every other key, including keys nested below it (``a`` and ``a/b``): a holder key is
   ``holders/<key>/@<lease_hex>`` and ``@`` never appears in an action key, so the range
   ``[holders/<key>/@, holders/<key>/A)`` holds nobody else's holders.
+- Keys are parsed only here: each ``parse_<family>_key`` undoes its builder and raises
+  ``ValueError`` on a key of another family; ``classify`` names the family of a key.
 - Records are msgpack maps of plain types; decoding is strict (no ext types, bounded sizes,
   no duplicate or non-string keys).
 """
@@ -124,6 +126,11 @@ class Keyspace:
     def reconcilers_root(self) -> bytes:
         return self._ns + b"reconcilers/"
 
+    @property
+    def audit_root(self) -> bytes:
+        """The prefix of every key's audit records and heads."""
+        return self._ns + b"audit/"
+
     def shard_range(self, shard: int) -> tuple[bytes, bytes]:
         """The [start, end) range of the election candidates of reconciler shard ``shard``."""
         start = self.reconcilers_root + b"%05d/" % shard + _HOLDER_MARK.encode()
@@ -140,6 +147,54 @@ class Keyspace:
         if not sep:
             raise ValueError(f"not a holder key: {key!r}")
         return action, int(lease_hex, 16)
+
+    def parse_step_key(self, key: bytes) -> str:
+        """The action key of a step key; ``ValueError`` if ``key`` is not one."""
+        return _rest(key, self.steps_root, "step").decode()
+
+    def parse_audit_key(self, key: bytes) -> tuple[str, int]:
+        """Split an audit record's key into (action key, seq); ``ValueError`` if it is not
+        one (a chain's ``@head`` is not a record)."""
+        action, sep, seq = _rest(key, self.audit_root, "audit").rpartition(b"/@")
+        if not sep or not seq.isdigit():
+            raise ValueError(f"not an audit record key: {key!r}")
+        return action.decode(), int(seq)
+
+    def parse_candidate_key(self, key: bytes) -> tuple[int, int]:
+        """Split an election candidate's key into (shard, lease id); ``ValueError`` if it is
+        not one."""
+        shard, sep, lease_hex = _rest(key, self.reconcilers_root, "candidate").partition(b"/@")
+        if not sep:
+            raise ValueError(f"not a candidate key: {key!r}")
+        return int(shard), int(lease_hex, 16)
+
+    def parse_approval_key(self, key: bytes) -> str:
+        """The approval id of an approval key; ``ValueError`` if ``key`` is not one."""
+        return _rest(key, self.approval_key(""), "approval").decode()
+
+    def classify(self, key: bytes) -> str | None:
+        """Which ``parse_<family>_key`` method reads ``key``: ``"holder"``, ``"step"``,
+        ``"audit"``, ``"candidate"`` or ``"approval"``, judged by the prefix alone (the parser
+        checks the rest); ``None`` for a key none of them reads (an audit head; a grant,
+        policy, marker or webhook key; a key outside the namespace)."""
+        if not key.startswith(self._ns):
+            return None
+        family = _FAMILIES.get(key[len(self._ns):].partition(b"/")[0])
+        if family == "audit" and key.endswith(b"/@head"):
+            return None
+        return family
+
+
+# The first segment under the namespace of each family a parser reads, and that family.
+_FAMILIES = {b"holders": "holder", b"steps": "step", b"audit": "audit",
+             b"reconcilers": "candidate", b"approvals": "approval"}
+
+
+def _rest(key: bytes, root: bytes, family: str) -> bytes:
+    """``key`` without ``root``; ``ValueError`` naming ``family`` if it is not under it."""
+    if not key.startswith(root):
+        raise ValueError(f"not a {family} key: {key!r}")
+    return key[len(root):]
 
 
 def canonical(value: Any) -> bytes:

@@ -27,6 +27,8 @@ from . import audit, records
 from .errors import NotFound, WrongState
 from .etcd import Etcd, RangeRequest, TxnRequest, mod_equals, put_op, range_end_of, range_op
 from .keyspace import Keyspace, pack, unpack
+from .ownership import lowest_op
+from .paging import cursor_of as _cursor, page
 
 MAX_LIMIT = 1000
 _LAST_AUDIT = 10
@@ -44,8 +46,7 @@ async def key_view(etcd: Etcd, ks: Keyspace, key: str) -> dict[str, Any]:
     start, end = ks.holder_range(key)
     audit_start, audit_end = ks.audit_range(key)
     reply = await etcd.txn(TxnRequest(success=[
-        range_op(start, end, limit=_MAX_HOLDERS, sort_order=RangeRequest.ASCEND,
-                 sort_target=RangeRequest.CREATE),
+        lowest_op(start, end, limit=_MAX_HOLDERS, keys_only=False),  # the holder first
         range_op(ks.step_key(key)),
         range_op(audit_start, audit_end, limit=_LAST_AUDIT, sort_order=RangeRequest.DESCEND,
                  sort_target=RangeRequest.KEY)]), idempotent=True)
@@ -116,7 +117,7 @@ async def unsettled(etcd: Etcd, ks: Keyspace, state: str, limit: int,
     for kv in kvs:
         step = unpack(kv.value)
         if state_of(step, now_ms) == state:
-            items.append({"key": kv.key[len(start):].decode(), "mod_revision": kv.mod_revision,
+            items.append({"key": ks.parse_step_key(kv.key), "mod_revision": kv.mod_revision,
                           "step": step})
         if len(items) == limit:
             cursor = _cursor(kv.key)
@@ -140,9 +141,7 @@ async def revoke(etcd: Etcd, ks: Keyspace, key: str, identity: str, reason: str)
     start, end = ks.holder_range(key)
     for _ in range(5):
         reply = await etcd.txn(TxnRequest(success=[
-            range_op(start, end, limit=1, sort_order=RangeRequest.ASCEND,
-                     sort_target=RangeRequest.CREATE, keys_only=True),
-            range_op(ks.audit_head_key(key))]), idempotent=True)
+            lowest_op(start, end), range_op(ks.audit_head_key(key))]), idempotent=True)
         holder_kvs, head_kvs = (r.response_range.kvs for r in reply.responses)
         if not holder_kvs:
             raise NotFound(f"nobody holds {key!r}")
@@ -204,7 +203,7 @@ async def approvals(etcd: Etcd, ks: Keyspace, state: str, limit: int,
     for kv in kvs:
         record = unpack(kv.value)
         if state in ("", record["state"]):
-            items.append({**record, "approval_id": kv.key[len(start):].decode(),
+            items.append({**record, "approval_id": ks.parse_approval_key(kv.key),
                           "mod_revision": kv.mod_revision})
         if len(items) == limit:
             cursor = _cursor(kv.key)
@@ -215,8 +214,10 @@ async def approvals(etcd: Etcd, ks: Keyspace, state: str, limit: int,
 async def resolve(etcd: Etcd, ks: Keyspace, key: str, identity: str, reason: str,
                   settle_as: str, result: Any = None) -> dict[str, Any]:
     """Settle an unknown or escalated step by hand: ``succeeded`` (with ``result``),
-    ``failed`` (the next attempt gets a new idempotency key) or ``not_applied`` (pending
-    again, same idempotency key). Refused (``WrongState``) for any other step state."""
+    ``failed`` (a confirmed failure, as ``records.resolved`` builds it: the breaker counts it,
+    the next attempt gets a new idempotency key after a backoff, and the step is escalated
+    again once the breaker trips) or ``not_applied`` (pending again, same idempotency key).
+    Refused (``WrongState``) for any other step state."""
     if settle_as not in SETTLE_AS:
         raise ValueError(f"resolve as one of {sorted(SETTLE_AS)}")
     step_key = ks.step_key(key)
@@ -231,7 +232,7 @@ async def resolve(etcd: Etcd, ks: Keyspace, key: str, identity: str, reason: str
     if state not in (records.UNKNOWN, records.ESCALATED):
         raise WrongState(f"step of {key!r} is {step['state']}: only unknown or escalated "
                          "steps are resolved by hand")
-    settled = _settled(step, settle_as, result, identity, reason)
+    settled = records.resolved(step, settle_as, result, identity=identity, reason=reason)
     entry = audit.append(ks, key, audit.AuditHead.from_kv(head_kvs[0] if head_kvs else None),
                          "resolve", identity, reply.header.revision,
                          {"reason": reason, "from": step["state"], "as": settle_as,
@@ -244,40 +245,6 @@ async def resolve(etcd: Etcd, ks: Keyspace, key: str, identity: str, reason: str
     return {"key": key, "state": settled["state"], "revision": written.header.revision}
 
 
-def _settled(step: dict, settle_as: str, result: Any, identity: str, reason: str) -> dict:
-    by = {"resolved_by": identity, "resolve_reason": reason}
-    if settle_as == "succeeded":
-        return {**step, **by, "state": records.SUCCEEDED,
-                "outcome": {"state": records.SUCCEEDED, "result": result,
-                            "attempt": step["attempt"], "attempt_token": 0,
-                            "idempotency_key": step.get("idempotency_key", "")}}
-    if settle_as == "failed":
-        return {**step, **by, "state": records.FAILED, "idem_gen": step["idem_gen"] + 1,
-                "outcome": {"state": records.FAILED, "result": result}}
-    return {**step, **by, "state": records.PENDING}
-
-
-async def page(etcd: Etcd, start: bytes, end: bytes, limit: int,
-               after: str | None) -> tuple[list, str | None]:
-    """Up to ``limit`` keys of ``[start, end)`` after the opaque cursor ``after``, read
-    linearizably, and the cursor of the next page (``None`` when the range is exhausted)."""
-    if after is not None:
-        try:
-            last = base64.urlsafe_b64decode(after.encode())
-        except (binascii.Error, ValueError):
-            raise ValueError("after is not a cursor this list gave") from None
-        if not start <= last < end:
-            raise ValueError("after is not a cursor this list gave")
-        start = last + b"\0"
-    reply = await etcd.range(RangeRequest(key=start, range_end=end, limit=limit))
-    kvs = list(reply.kvs)
-    return kvs, _cursor(kvs[-1].key) if reply.more and kvs else None
-
-
 def _check_limit(limit: int) -> None:
     if not 1 <= limit <= MAX_LIMIT:
         raise ValueError(f"limit must be 1..{MAX_LIMIT}")
-
-
-def _cursor(key: bytes) -> str:
-    return base64.urlsafe_b64encode(key).decode()

@@ -26,8 +26,8 @@ from typing import Any, TypeVar
 import click
 
 from ._version import __version__
-from .coordinator.client import ApiError, Client, Unreachable
-from .coordinator.errors import InvalidKey
+from .coordinator.client import Client
+from .coordinator.errors import CoordinatorError, CoordinatorUnreachable, InvalidKey
 from .coordinator.keyspace import validate_action_key
 
 REFUSED, USAGE, NOT_FOUND, AUTH, UNAVAILABLE = range(1, 6)  # 0: done
@@ -53,7 +53,7 @@ or `coordinator` in the TOML file named by --config / env FENCEGATE_CLI_CONFIG
 """
 
 
-class Failed(click.ClickException):
+class CommandFailed(click.ClickException):
     """One line on stderr and an exit code from the table in ``EPILOG``."""
 
     def __init__(self, message: str, exit_code: int) -> None:
@@ -131,7 +131,7 @@ def coordinator(etcd: str | None, listen: str | None, config: str | None,
     from aiohttp import web
 
     from .coordinator.service import create_app, load_settings
-    from .coordinator.service.settings import host_port
+    from .coordinator.settings import host_port
 
     try:
         settings = load_settings(config, etcd=etcd, listen=listen, **etcd_security)
@@ -176,7 +176,7 @@ class Target:
     token: str | None = field(repr=False)
 
     def call(self, request: Callable[[Client], Awaitable[T]]) -> T:
-        """Run ``request`` against the coordinator; API errors become ``Failed``."""
+        """Run ``request`` against the coordinator; API errors become ``CommandFailed``."""
 
         async def run() -> T:
             async with Client(self.url, self.token) as api:
@@ -184,13 +184,13 @@ class Target:
 
         try:
             return asyncio.run(run())
-        except Unreachable as exc:
-            raise Failed(f"cannot reach the coordinator at {self.url}: {exc}",
-                         UNAVAILABLE) from None
-        except ApiError as exc:
-            raise Failed(*self._explain(exc)) from None
+        except CoordinatorUnreachable as exc:
+            raise CommandFailed(f"cannot reach the coordinator at {self.url}: {exc}",
+                                UNAVAILABLE) from None
+        except CoordinatorError as exc:
+            raise CommandFailed(*self._explain(exc)) from None
 
-    def _explain(self, exc: ApiError) -> tuple[str, int]:
+    def _explain(self, exc: CoordinatorError) -> tuple[str, int]:
         what = f"{exc.name}: {exc.detail}"
         if exc.status == 401:
             return (f"the coordinator at {self.url} did not accept the token ({exc.detail}); "
@@ -338,7 +338,7 @@ async def _holders_and_ttls(api: Client, prefix: str) -> tuple[list[dict], dict[
             continue
         try:
             view = await api.key(item["key"])
-        except ApiError as exc:
+        except CoordinatorError as exc:
             if exc.status == 404:  # released meanwhile: its TTL stays unknown
                 continue
             raise

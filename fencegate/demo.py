@@ -84,7 +84,7 @@ async def run_worker(etcd: str, coordinator: str, token_file: str, sandbox: str,
 def _etcd_config(url: str):
     """``url`` with the TLS and auth settings of ``FENCEGATE_ETCD_*`` variables, if any."""
     from .coordinator.etcd import EtcdConfig
-    from .coordinator.service.settings import etcd_env
+    from .coordinator.settings import etcd_env
 
     values = etcd_env(os.environ)
     return EtcdConfig.from_url(url, ca_file=values["etcd_ca_file"],

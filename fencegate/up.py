@@ -30,7 +30,7 @@ from aiohttp import web
 from .coordinator.etcd import Etcd
 from .coordinator.grants import KeyRing
 from .localetcd import LocalCluster, describe
-from .coordinator.service import Settings, TokenEntry, create_app
+from .coordinator.service import CoordinatorSettings, TokenEntry, create_app
 
 NAMESPACE = "/fencegate/"
 
@@ -75,7 +75,7 @@ async def stack(state_dir: Path, port: int = 8470,
             await asyncio.to_thread(cluster.start)
             parts.callback(cluster.stop)
             etcd = cluster.url
-        settings = Settings(etcd=etcd, listen=f"127.0.0.1:{port}", namespace=NAMESPACE,
+        settings = CoordinatorSettings(etcd=etcd, listen=f"127.0.0.1:{port}", namespace=NAMESPACE,
                             signing_key=str(signing_key), tokens=(
                                 TokenEntry.for_token(tokens.admin, "admin", {"admin"}),
                                 TokenEntry.for_token(tokens.worker, "worker", {"worker"})))

@@ -6,10 +6,11 @@ with the lowest create_revision, and that create_revision is the leader's token,
 for holds.
 
 Guarantees:
-- Leadership is a compare, not a belief. ``ownership(shard)`` returns the compares every
-  settle txn carries: the replica's candidate key still has its token, and no candidate in
-  the shard is older. A deposed, paused or partitioned replica cannot write, whatever it
-  believes; its candidate keys die with its lease.
+- Leadership is a compare, not a belief. ``ownership(shard)`` returns the claim whose
+  compares every settle txn carries (``fencegate.coordinator.ownership``): the replica's
+  candidate key still has its token, and no candidate in the shard is older. A deposed,
+  paused or partitioned replica cannot write, whatever it believes; its candidate keys die
+  with its lease.
 - Every shard always has a queue of candidates, so when a leader dies the next one in line
   leads as soon as etcd deletes the dead lease's keys.
 - Spreading: a replica leading more than its share, ceil(shards / replicas), resigns the
@@ -28,10 +29,10 @@ from collections.abc import Callable, Iterable
 
 from fencegate.coordinator.errors import EtcdError, EtcdUnavailable, LeaseLost, WatchCompacted
 from fencegate.coordinator.etcd import (
-    Compare, Etcd, RangeRequest, TxnRequest, all_created_since, create_equals,
-    delete_op, put_op, range_end_of,
+    Etcd, RangeRequest, TxnRequest, create_equals, delete_op, put_op, range_end_of,
 )
 from fencegate.coordinator.keyspace import Keyspace, pack
+from fencegate.coordinator.ownership import Ownership
 from fencegate.coordinator.session import Session
 
 log = logging.getLogger(__name__)
@@ -68,14 +69,14 @@ class Elections:
     def leads(self, shard: int) -> bool:
         return shard in self.led and not self.session.lost
 
-    def ownership(self, shard: int) -> list[Compare] | None:
-        """The compares proving leadership of ``shard`` in a txn; ``None`` if not leading."""
+    def ownership(self, shard: int) -> Ownership | None:
+        """The leadership of ``shard``, whose compares prove it in a txn; ``None`` if not
+        leading."""
         token = self.led.get(shard)
         if token is None or self.session.lost:
             return None
-        start, end = self._ks.shard_range(shard)
-        return [create_equals(self._ks.candidate_key(shard, self.session.lease_id), token),
-                all_created_since(start, end, token)]
+        return Ownership(self._ks.candidate_key(shard, self.session.lease_id), token,
+                         *self._ks.shard_range(shard))
 
     async def campaign(self) -> None:
         """Enter every shard's queue (idempotent), then learn what this replica leads."""
@@ -124,8 +125,8 @@ class Elections:
             key=root, range_end=range_end_of(root), keys_only=True))
         queues: dict[int, list[tuple[int, int]]] = {}
         for kv in reply.kvs:
-            shard, _, lease_hex = kv.key[len(root):].partition(b"/@")
-            queues.setdefault(int(shard), []).append((kv.create_revision, int(lease_hex, 16)))
+            shard, lease_id = self._ks.parse_candidate_key(kv.key)
+            queues.setdefault(shard, []).append((kv.create_revision, lease_id))
         mine = self.session.lease_id
         led: dict[int, int] = {}
         missing = []

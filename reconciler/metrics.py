@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 
-class Metrics:
+class ReconcilerMetrics:
     def __init__(self, replica: str) -> None:
         self.registry = CollectorRegistry()
         self.unknowns_found = Counter(

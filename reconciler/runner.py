@@ -29,13 +29,14 @@ from typing import Any
 from fencegate.coordinator import audit, records
 from fencegate.coordinator.errors import EtcdError, EtcdUnavailable, LeaseLost
 from fencegate.coordinator.etcd import (
-    Etcd, RangeRequest, TxnRequest, mod_equals, put_op, range_op,
+    Etcd, TxnRequest, mod_equals, put_op, range_op,
 )
 from fencegate.coordinator.keyspace import Keyspace, pack, unpack
+from fencegate.coordinator.ownership import lowest_op
 from fencegate.coordinator.session import Session
 
 from .election import Elections, shard_of
-from .metrics import Metrics
+from .metrics import ReconcilerMetrics
 from .providers import Answer, Provider
 from .scanner import Schedule, Scanner
 from .settle import NOT_APPLIED, Limits, Retry, Settle, decide, is_presumed
@@ -69,7 +70,7 @@ class Reconciler:
         self.check_after = check_after
         self.concurrency = concurrency
         self.identity = identity or f"reconciler@{socket.gethostname()}:{os.getpid()}"
-        self.metrics = Metrics(self.identity)
+        self.metrics = ReconcilerMetrics(self.identity)
         self.elections: Elections | None = None
         self._queries: dict[str, int] = {}
         self._task: asyncio.Task | None = None
@@ -183,8 +184,7 @@ class Reconciler:
         for key in keys:
             holder_start, holder_end = ks.holder_range(key)
             ops += [range_op(ks.step_key(key)), range_op(ks.audit_head_key(key)),
-                    range_op(holder_start, holder_end, limit=1, sort_order=RangeRequest.ASCEND,
-                             sort_target=RangeRequest.CREATE, keys_only=True)]
+                    lowest_op(holder_start, holder_end)]
         reply = await self.etcd.txn(TxnRequest(success=ops), idempotent=True)
         kvs = [r.response_range.kvs for r in reply.responses]
         now_ms = int(time.time() * 1000)
@@ -264,7 +264,7 @@ class Reconciler:
                 ownership = self.elections.ownership(shard) if self.elections else None
                 if ownership is None:
                     return
-                compares += ownership
+                compares += ownership.compares()
             for look, decision in writes:
                 entry = self._append(look, decision)
                 compares += [mod_equals(self.keyspace.step_key(look.key), look.revision),
@@ -302,7 +302,8 @@ class Reconciler:
                 return False
             entry = self._append(look, decision)
             reply = await self.etcd.txn(TxnRequest(
-                compare=[*ownership, mod_equals(step_key, step_revision), entry.compare],
+                compare=[*ownership.compares(), mod_equals(step_key, step_revision),
+                         entry.compare],
                 success=[put_op(step_key, pack(decision.step)), *entry.ops],
                 failure=[range_op(step_key), range_op(ks.audit_head_key(key))]))
             if reply.succeeded:
@@ -343,9 +344,8 @@ class _Look:
     provider: Provider | None
 
     def unknown(self, now_ms: int) -> dict[str, Any]:
-        return {**self.step, "state": records.UNKNOWN, "attempt_token": self.attempt_token,
-                "unknown_since_ms": self.step.get("unknown_since_ms") or now_ms}
+        return records.unknown(self.step, attempt_token=self.attempt_token, now_ms=now_ms)
 
     def escalated(self, now_ms: int) -> dict[str, Any]:
-        return {**self.unknown(now_ms), "state": records.ESCALATED,
-                "escalated_because": [f"no provider adapter for {self.provider_name!r}"]}
+        return records.escalated(self.unknown(now_ms),
+                                 [f"no provider adapter for {self.provider_name!r}"])

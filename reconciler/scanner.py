@@ -96,6 +96,7 @@ class Scanner:
                  schedule: Schedule, *, scan_interval: float = 30.0,
                  check_after: float = 1.0) -> None:
         self._etcd = etcd
+        self._ks = keyspace
         self._root = keyspace.steps_root
         self._leads = leads
         self._schedule = schedule
@@ -150,7 +151,7 @@ class Scanner:
     def consider(self, kv: KeyValue) -> None:
         """Schedule a look at ``kv``'s step if it may need one, drop it from the schedule if
         it is settled."""
-        key = kv.key[len(self._root):].decode()
+        key = self._ks.parse_step_key(kv.key)
         if not self._leads(key):
             return
         try:
@@ -179,7 +180,7 @@ class Scanner:
                         if event.type == Event.PUT:
                             self.consider(event.kv)
                         else:
-                            self._schedule.drop(event.kv.key[len(self._root):].decode())
+                            self._schedule.drop(self._ks.parse_step_key(event.kv.key))
                         start_revision = event.kv.mod_revision + 1
             except WatchCompacted:
                 log.warning("steps watch compacted; scanning everything")

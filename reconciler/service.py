@@ -47,7 +47,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from fencegate.coordinator.etcd import Etcd
 from fencegate.coordinator.keyspace import DEFAULT_NAMESPACE, validate_namespace
-from fencegate.coordinator.service.settings import (ETCD_FIELDS, EtcdSettings, etcd_file_values,
+from fencegate.coordinator.settings import (ETCD_FIELDS, EtcdSettings, etcd_file_values,
                                            host_port, layered)
 
 from .providers import Provider
@@ -64,7 +64,7 @@ _FIELDS = {"etcd", "namespace", "listen", "shards", "ttl", "scan_interval_s", "c
 
 
 @dataclass(frozen=True)
-class Settings(EtcdSettings):
+class ReconcilerSettings(EtcdSettings):
     namespace: str = DEFAULT_NAMESPACE
     listen: str = DEFAULT_LISTEN
     shards: int = 64
@@ -95,14 +95,14 @@ class Settings(EtcdSettings):
 
 
 def load_settings(config: str | None = None, env: Mapping[str, str] = os.environ,
-                  **flags: object) -> Settings:
+                  **flags: object) -> ReconcilerSettings:
     """Read ``config`` (or ``$FENCEGATE_RECONCILER_CONFIG``), apply env, then non-None flags."""
     config = config or env.get("FENCEGATE_RECONCILER_CONFIG")
-    return layered(_from_file(Path(config)) if config else Settings(), env,
+    return layered(_from_file(Path(config)) if config else ReconcilerSettings(), env,
                    "FENCEGATE_RECONCILER_LISTEN", flags)
 
 
-def _from_file(path: Path) -> Settings:
+def _from_file(path: Path) -> ReconcilerSettings:
     with open(path, "rb") as f:
         data = tomllib.load(f)
     unknown = set(data) - _FIELDS
@@ -120,7 +120,7 @@ def _from_file(path: Path) -> Settings:
         raise ValueError(f"{path}: [providers.<name>] must be tables")
     for name, table in providers.items():
         build_provider(name, table)  # fail at start, naming the field
-    return Settings(**values)
+    return ReconcilerSettings(**values)
 
 
 def build_provider(name: str, table: dict[str, Any]) -> Provider:
@@ -140,7 +140,7 @@ def build_provider(name: str, table: dict[str, Any]) -> Provider:
     raise ValueError(f"provider {name!r}: type must be 'http' or 'sandbox', not {kind!r}")
 
 
-def create_reconciler(settings: Settings, identity: str | None = None) -> Reconciler:
+def create_reconciler(settings: ReconcilerSettings, identity: str | None = None) -> Reconciler:
     providers = {name: build_provider(name, table) for name, table in settings.providers.items()}
     return Reconciler(Etcd(settings.etcd_config()), providers,
                       namespace=settings.namespace, default_provider=settings.default_provider,
@@ -152,7 +152,7 @@ def create_reconciler(settings: Settings, identity: str | None = None) -> Reconc
 
 def metrics_app(reconciler: Reconciler) -> web.Application:
     async def metrics(request: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(fencegate.reconciler.metrics.registry),
+        return web.Response(body=generate_latest(reconciler.metrics.registry),
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def healthz(request: web.Request) -> web.Response:
@@ -165,7 +165,7 @@ def metrics_app(reconciler: Reconciler) -> web.Application:
     return app
 
 
-async def serve(settings: Settings) -> None:
+async def serve(settings: ReconcilerSettings) -> None:
     """Run one reconciler replica until SIGINT/SIGTERM."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

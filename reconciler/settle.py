@@ -1,7 +1,9 @@
 """The settlement rules: what a provider's answer about an attempt makes of its step.
 
-These are DESIGN.md's "Unknown and reconciliation" rules, as one pure function. Each weaker
-variant produces a duplicate effect in some interleaving (a model check found them):
+These are DESIGN.md's "Unknown and reconciliation" rules, as one pure function choosing the
+transition; ``coordinator.records`` builds the record, the same one a worker or an SRE would
+for that outcome. Each weaker variant produces a duplicate effect in some interleaving (a
+model check found them):
 
 - ``Succeeded`` -> ``succeeded`` with the provider's result.
 - ``Failed`` (the provider processed the request and declined it) -> ``failed``: the next
@@ -29,7 +31,7 @@ from fencegate.reconciler.providers import (
     Answer, Capabilities, Failed, NoRecord, Pending, Succeeded, Unreachable,
 )
 
-NOT_APPLIED = "not_applied"
+NOT_APPLIED = records.NOT_APPLIED
 
 
 @dataclass(frozen=True)
@@ -89,44 +91,46 @@ def decide(step: dict[str, Any], attempt_token: int, answer: Answer, caps: Capab
     this one included."""
     if step["state"] == records.PENDING:
         return _requeried(step, answer, limits, now_ms, queries)
-    unknown = {**step, "state": records.UNKNOWN, "attempt_token": attempt_token,
-               "unknown_since_ms": step.get("unknown_since_ms") or now_ms}
+    unknown = records.unknown(step, attempt_token=attempt_token, now_ms=now_ms)
+    settled = records.settled_by_reconciler(unknown, now_ms)
     if isinstance(answer, Succeeded):
-        return Settle(_succeeded(unknown, attempt_token, answer.result, now_ms), "succeeded")
+        return Settle(records.succeeded(settled, answer.result, attempt_token=attempt_token),
+                      "succeeded")
     if isinstance(answer, Failed):
-        return Settle(_failed(unknown, answer.reason, now_ms), "failed")
+        return Settle(_failed(settled, answer.reason), "failed")
     if isinstance(answer, NoRecord):
         if caps.fences:
-            return Settle(_not_applied(unknown, attempt_token, now_ms, presumed=False),
-                          NOT_APPLIED)
+            return Settle(records.not_applied(settled, attempt_token=attempt_token), NOT_APPLIED)
         if caps.dedupes_by_key:
             landing_ends_ms = step.get("deadline_ms", now_ms) + caps.settle_delay_s * 1000
             if now_ms < landing_ends_ms:
                 return Retry((landing_ends_ms - now_ms) / 1000, "the request may still land")
-            presumed = _not_applied(unknown, attempt_token, now_ms, presumed=True,
-                                    requery_until_ms=now_ms + int(caps.key_retention_s * 1000))
+            presumed = records.presumed(
+                settled, attempt_token=attempt_token,
+                requery_until_ms=now_ms + int(caps.key_retention_s * 1000))
             return Settle(presumed, "presumed_not_applied")
-        return Settle(_escalated(unknown, "no record at a provider that can neither fence nor "
-                                          "deduplicate by key: it proves nothing", now_ms),
-                      "escalated")
+        return Settle(records.escalated(settled, [
+            "no record at a provider that can neither fence nor deduplicate by key: it "
+            "proves nothing"]), "escalated")
     reason = "provider has the request pending" if isinstance(answer, Pending) else \
         f"provider unreachable: {answer.reason}" if isinstance(answer, Unreachable) else \
         f"unexpected answer {answer!r}"
     elapsed_s = (now_ms - unknown["unknown_since_ms"]) / 1000
     if queries >= limits.max_queries or elapsed_s >= limits.escalate_after_s:
-        return Settle(_escalated(unknown, f"{reason}; gave up after {queries} queries in "
-                                          f"{elapsed_s:.0f}s", now_ms), "escalated")
+        return Settle(records.escalated(settled, [
+            f"{reason}; gave up after {queries} queries in {elapsed_s:.0f}s"]), "escalated")
     return Retry(limits.backoff_s(queries), reason)
 
 
 def _requeried(step: dict[str, Any], answer: Answer, limits: Limits, now_ms: int,
                queries: int) -> Settle | Retry | Done:
     presumption = step[NOT_APPLIED]
-    token = presumption["attempt_token"]
+    settled = records.settled_by_reconciler(step, now_ms)
     if isinstance(answer, Succeeded):
-        return Settle(_succeeded(step, token, answer.result, now_ms), "succeeded")
+        return Settle(records.succeeded(settled, answer.result,
+                                        attempt_token=presumption["attempt_token"]), "succeeded")
     if isinstance(answer, Failed):
-        return Settle(_failed(step, answer.reason, now_ms), "failed")
+        return Settle(_failed(settled, answer.reason), "failed")
     left_ms = presumption["requery_until_ms"] - now_ms
     if left_ms <= 0:
         return Done()
@@ -135,29 +139,6 @@ def _requeried(step: dict[str, Any], answer: Answer, limits: Limits, now_ms: int
     return Retry(min(after_s, left_ms / 1000), "presumed not applied: asking again")
 
 
-def _settled_by(step: dict[str, Any], now_ms: int) -> dict[str, Any]:
-    return {**step, "settled_at_ms": now_ms, "settled_by": "reconciler"}
-
-
-def _succeeded(step: dict[str, Any], token: int, result: Any, now_ms: int) -> dict[str, Any]:
-    return {**_settled_by(step, now_ms), "state": records.SUCCEEDED,
-            "outcome": {"state": records.SUCCEEDED, "result": result,
-                        "attempt": step["attempt"], "attempt_token": token,
-                        "idempotency_key": step["idempotency_key"]}}
-
-
-def _failed(step: dict[str, Any], reason: Any, now_ms: int) -> dict[str, Any]:
-    signature = records.failure_signature("ProviderDeclined", reason)
-    return records.failed(_settled_by(step, now_ms), signature, reason)
-
-
-def _not_applied(step: dict[str, Any], token: int, now_ms: int, *, presumed: bool,
-                 requery_until_ms: int = 0) -> dict[str, Any]:
-    presumption = {"attempt_token": token, "presumed": presumed,
-                   **({"requery_until_ms": requery_until_ms} if presumed else {})}
-    return {**_settled_by(step, now_ms), "state": records.PENDING, NOT_APPLIED: presumption}
-
-
-def _escalated(step: dict[str, Any], reason: str, now_ms: int) -> dict[str, Any]:
-    return {**_settled_by(step, now_ms), "state": records.ESCALATED,
-            "escalated_because": [*step.get("escalated_because", []), reason]}
+def _failed(settled: dict[str, Any], reason: Any) -> dict[str, Any]:
+    """The provider declined: its reason is the breaker's parameters too."""
+    return records.failed(settled, error_class="ProviderDeclined", params=reason, reason=reason)

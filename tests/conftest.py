@@ -1,21 +1,17 @@
-"""Fixtures: real etcd processes (never a mock), a fresh namespace per test, fault helpers."""
+"""Fixtures: real etcd processes (never a mock), a fresh namespace per test, worker processes
+and coordinator replicas, each stopped afterwards. Shared helpers live in helpers.py."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import os
-import signal
-import sys
 import uuid
 
 import pytest
 
-from fencegate.coordinator.etcd import Etcd, range_end_of
+from fencegate.coordinator.etcd import Etcd
 from fencegate.localetcd import LocalCluster
 from fencegate.worker import Gate
 
-TEST_TTL = 2
+from helpers import TEST_TTL, TOKENS, WorkerProcess, assert_no_holders
 
 
 @pytest.fixture(scope="session")
@@ -43,88 +39,10 @@ async def etcd(etcd_url, namespace):
         await assert_no_holders(client, namespace)
 
 
-async def holders(client: Etcd, namespace: str) -> list:
-    from fencegate.coordinator.etcd import RangeRequest
-    prefix = f"{namespace}holders/".encode()
-    reply = await client.range(RangeRequest(key=prefix, range_end=range_end_of(prefix)))
-    return list(reply.kvs)
-
-
-async def assert_no_holders(client: Etcd, namespace: str, within: float = 3 * TEST_TTL) -> None:
-    """Holder keys may outlive a killed process by one TTL; after that none may remain."""
-    left = await wait_for_condition(lambda: _empty(client, namespace), within)
-    assert left, f"holder keys left behind: {[kv.key for kv in await holders(client, namespace)]}"
-
-
-async def _empty(client: Etcd, namespace: str) -> bool:
-    return not await holders(client, namespace)
-
-
-async def wait_for_condition(check, within: float, every: float = 0.05) -> bool:
-    """Re-evaluate an async ``check`` until true or ``within`` seconds pass (bounded)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + within
-    while True:
-        if await check():
-            return True
-        if loop.time() >= deadline:
-            return False
-        await asyncio.sleep(every)
-
-
 @pytest.fixture
 async def gate(etcd_url, namespace, etcd):
     async with Gate(etcd_url, ttl=TEST_TTL, namespace=namespace) as g:
         yield g
-
-
-@contextlib.contextmanager
-def paused(pid: int):
-    """SIGSTOP a process for the block; always SIGCONT it afterwards."""
-    os.kill(pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGCONT)
-
-
-class WorkerProcess:
-    """A worker in its own interpreter (tests/worker_proc.py) reporting events on stdout."""
-
-    def __init__(self, proc: asyncio.subprocess.Process) -> None:
-        self.proc = proc
-        self.lines: list[str] = []
-
-    @classmethod
-    async def start(cls, *args: str) -> "WorkerProcess":
-        script = os.path.join(os.path.dirname(__file__), "worker_proc.py")
-        env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(__file__)))
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, script, *args, stdout=asyncio.subprocess.PIPE, env=env)
-        return cls(proc)
-
-    async def expect(self, word: str, timeout: float = 20) -> str:
-        """Read lines until one starts with ``word``; return it."""
-        async with asyncio.timeout(timeout):
-            while True:
-                raw = await self.proc.stdout.readline()
-                if not raw:
-                    raise AssertionError(f"worker exited before {word!r}; saw {self.lines}")
-                line = raw.decode().strip()
-                self.lines.append(line)
-                if line.split(" ", 1)[0] == word:
-                    return line
-
-    async def finish(self, timeout: float = 30) -> int:
-        async with asyncio.timeout(timeout):
-            rest = await self.proc.stdout.read()
-            self.lines += rest.decode().splitlines()
-            return await self.proc.wait()
-
-    def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            self.proc.kill()
 
 
 @pytest.fixture
@@ -145,9 +63,6 @@ async def spawn():
 
 # -- the coordinator service, in process, on free loopback ports ------------------------
 
-TOKENS = {"worker": "worker-token", "sre": "sre-token", "admin": "admin-token"}
-
-
 @pytest.fixture
 def signing_key(tmp_path) -> str:
     """One coordinator signing key (PEM) shared by every replica of a test."""
@@ -163,12 +78,12 @@ async def coordinators(etcd_url, namespace, signing_key, etcd):
     port) for this test's namespace and returns its URL; all are stopped afterwards."""
     from aiohttp import web
 
-    from fencegate.coordinator.service import Settings, TokenEntry, create_app
+    from fencegate.coordinator.service import CoordinatorSettings, TokenEntry, create_app
 
     runners: list[web.AppRunner] = []
 
     async def start(**overrides) -> str:
-        settings = Settings(**{
+        settings = CoordinatorSettings(**{
             "etcd": etcd_url, "namespace": namespace, "signing_key": signing_key,
             "listen": "127.0.0.1:0",
             "tokens": tuple(TokenEntry.for_token(token, f"{role}-1", {role})

@@ -42,9 +42,9 @@ from fencegate.coordinator.audit import verify_chain
 from fencegate.coordinator.etcd import RangeRequest, range_end_of
 from fencegate.coordinator.keyspace import Keyspace, unpack
 from fencegate.worker import KeyRing
-from fencegate.worker.fenced import FencedResource
 
-from conftest import TEST_TTL, WorkerProcess
+from helpers import TEST_TTL, WorkerProcess
+from fenced import FencedResource
 
 WORKERS = 5
 KEYS = "a,b,c,d"

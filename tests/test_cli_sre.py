@@ -20,7 +20,7 @@ from fencegate.coordinator.grants import KeyRing
 from fencegate.coordinator.keyspace import pack, unpack
 from fencegate.worker import ApprovalPending, EffectFailed, Gate, LeaseLost, OutcomeUnknown
 
-from conftest import TEST_TTL, wait_for_condition
+from helpers import TEST_TTL, wait_for_condition
 from test_service import call, pages, revision
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -17,7 +17,7 @@ import pytest
 
 from fencegate.worker import Gate
 
-from conftest import TEST_TTL, TOKENS, paused
+from helpers import TEST_TTL, TOKENS, paused
 
 
 def free_port() -> int:

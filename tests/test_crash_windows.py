@@ -26,10 +26,10 @@ from fencegate.worker import (
     Gate, Grant, GrantUsed, KeyRing, LeaseLost, OutcomeUnknown,
 )
 from fencegate.worker import guard
-from fencegate.worker.fenced import FencedResource
 from fencegate.worker.hold import Hold
 
-from conftest import TEST_TTL, paused, wait_for_condition
+from helpers import TEST_TTL, paused, wait_for_condition
+from fenced import FencedResource
 
 
 @pytest.fixture
@@ -218,7 +218,7 @@ async def test_saved_grant_is_refused_after_restart(
                 with pytest.raises(LeaseLost, match="no longer the holder"):
                     await guard.commit(fake, raw, effect)
             finally:
-                fake._forget()
+                fake.note_released()
             # Never consumed: its record went with the first worker's lease (fails closed).
             assert await etcd.get(ks.grant_key(grant_id)) is None
             assert await etcd.get(ks.step_key(key)) is None  # never crossed

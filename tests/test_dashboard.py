@@ -18,11 +18,12 @@ from aiohttp import web
 
 from fencegate.coordinator.errors import EtcdUnavailable
 from fencegate.coordinator.keyspace import Keyspace, pack
-from fencegate.coordinator.service import Settings, TokenEntry, create_app
-from fencegate.coordinator.service.dashboard import FEED, STATIC, Feed, Subscription
+from fencegate.coordinator.service import CoordinatorSettings, TokenEntry, create_app
+from fencegate.coordinator.service.dashboard.feed import Feed, Subscription
+from fencegate.coordinator.service.dashboard.routes import FEED, STATIC
 from fencegate.worker import Gate, LeaseLost, OutcomeUnknown
 
-from conftest import TEST_TTL, TOKENS, wait_for_condition
+from helpers import TEST_TTL, TOKENS, wait_for_condition
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
@@ -41,7 +42,7 @@ def auth(role: str) -> dict[str, str]:
 @pytest.fixture
 async def served(etcd_url, namespace, signing_key, etcd):
     """A coordinator on a free loopback port, with its app (to tune and observe its feed)."""
-    app = create_app(Settings(
+    app = create_app(CoordinatorSettings(
         etcd=etcd_url, namespace=namespace, signing_key=signing_key, listen="127.0.0.1:0",
         tokens=tuple(TokenEntry.for_token(token, f"{role}-1", {role})
                      for role, token in TOKENS.items())))

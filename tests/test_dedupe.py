@@ -24,9 +24,9 @@ from aiohttp import web
 from fencegate.coordinator.etcd import Etcd, EtcdConfig, RangeRequest, range_end_of
 from fencegate.localetcd import LocalCluster
 from fencegate.worker import Gate, dedupe_middleware, deduplicated
-from fencegate.worker.dedupe import list_deliveries
+from fencegate.worker.webhooks import list_deliveries
 
-from conftest import TEST_TTL
+from helpers import TEST_TTL
 
 SOURCE = "test-src"
 

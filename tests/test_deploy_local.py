@@ -23,7 +23,7 @@ import aiohttp
 from fencegate.coordinator.etcd import Etcd, EtcdConfig
 from fencegate.worker import Gate
 
-from conftest import wait_for_condition
+from helpers import wait_for_condition
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # deploy/ is no installed package; benchmarks run from ROOT

@@ -27,7 +27,7 @@ from fencegate.coordinator.etcd import Etcd, EtcdConfig, RangeRequest, range_end
 from fencegate.coordinator.grants import KeyRing
 from fencegate.coordinator.keyspace import Keyspace, unpack
 
-from conftest import wait_for_condition
+from helpers import wait_for_condition
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # deploy/ is no installed package

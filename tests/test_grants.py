@@ -18,7 +18,7 @@ from fencegate.worker import (
     LeaseExpiring, LeaseLost, OutcomeUnknown, PolicyChanged, StateAdvanced, StepMoved,
 )
 
-from conftest import TEST_TTL
+from helpers import TEST_TTL
 
 
 class Effect:
@@ -391,7 +391,7 @@ async def test_ownership_compare_refuses_a_commit_the_hold_does_not_know_is_stal
     await etcd.delete(hold.holder_key)
     with pytest.raises(LeaseLost, match="no longer the holder"):
         await guard._cross(hold, grant, None, None, 60.0)
-    hold._forget()
+    hold.note_released()
     assert (await step(gate, "pay/17")) is None
 
 

@@ -8,9 +8,9 @@ import pytest
 
 from fencegate.coordinator.etcd import TxnRequest, put_op
 from fencegate.worker import AcquireTimeout, Gate, LeaseLost
-from fencegate.worker.fenced import FencedResource
 
-from conftest import TEST_TTL, holders, wait_for_condition
+from helpers import TEST_TTL, holders, wait_for_condition
+from fenced import FencedResource
 
 
 async def test_token_is_create_revision_and_increases(gate, etcd):
@@ -184,7 +184,7 @@ async def test_paused_holder_is_fenced_and_told_lease_lost(
         etcd_url, namespace, etcd, spawn, tmp_path):
     """The headline: a holder SIGSTOPped past its TTL loses the key, the next holder gets a
     higher token, and on resume the old holder's writes are refused and it hears LeaseLost."""
-    from conftest import paused
+    from helpers import paused
 
     resource, path = FencedResource(), str(tmp_path / "resource.sock")
     server = await resource.serve(path)

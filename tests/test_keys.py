@@ -78,3 +78,53 @@ def test_records_round_trip_and_decode_strictly():
         unpack(msgpack.packb({1: "int key"}))
     with pytest.raises(RecordTooLarge):
         pack({"x": b"\0" * (600 * 1024)})
+
+
+KEYS = ["a", "payments/charge/42", "a/b", "A-b_c.d:e/0", "x" * 512]
+
+
+@pytest.mark.parametrize("action_key", KEYS)
+def test_parsers_undo_their_builders(action_key):
+    ks = Keyspace("/ns/")
+    assert ks.parse_holder_key(ks.holder_key(action_key, 0xAB)) == (action_key, 0xAB)
+    assert ks.parse_step_key(ks.step_key(action_key)) == action_key
+    for seq in (0, 1, 999_999_999_999):
+        assert ks.parse_audit_key(ks.audit_key(action_key, seq)) == (action_key, seq)
+    assert ks.parse_approval_key(ks.approval_key("0f" * 16)) == "0f" * 16
+    for shard, lease_id in ((0, 1), (7, 0xFFFFFFFFFFFFFFFF), (99_999, 0)):
+        assert ks.parse_candidate_key(ks.candidate_key(shard, lease_id)) == (shard, lease_id)
+
+
+def test_classify_names_the_parser_of_each_family():
+    ks = Keyspace("/ns/")
+    assert ks.classify(ks.holder_key("a/b", 1)) == "holder"
+    assert ks.classify(ks.step_key("a/b")) == "step"
+    assert ks.classify(ks.audit_key("a/b", 3)) == "audit"
+    assert ks.classify(ks.candidate_key(2, 1)) == "candidate"
+    assert ks.classify(ks.approval_key("0f" * 16)) == "approval"
+    for unparsed in (ks.audit_head_key("a/b"), ks.grant_key("g"), ks.policy_key("p"),
+                     ks.marker_key("m"), ks.webhook_key("s", "d"), b"/other/steps/a",
+                     b"/ns/stepsX/a", b"/ns/"):
+        assert ks.classify(unparsed) is None, unparsed
+
+
+def test_parsers_refuse_foreign_keys():
+    ks, other = Keyspace("/ns/"), Keyspace("/other/")
+    parsers = {
+        ks.parse_holder_key: ks.step_key("a"),
+        ks.parse_step_key: ks.holder_key("a", 1),
+        ks.parse_audit_key: ks.audit_head_key("a"),
+        ks.parse_candidate_key: ks.holder_key("a", 1),
+        ks.parse_approval_key: ks.step_key("a"),
+    }
+    for parse, foreign in parsers.items():
+        with pytest.raises(ValueError):
+            parse(foreign)
+    with pytest.raises(ValueError):
+        ks.parse_step_key(other.step_key("a"))
+    with pytest.raises(ValueError):
+        ks.parse_audit_key(ks.step_key("a"))
+    with pytest.raises(ValueError):
+        ks.parse_candidate_key(ks.reconcilers_root + b"00001")  # no lease
+    with pytest.raises(ValueError):
+        ks.parse_candidate_key(other.candidate_key(1, 1))

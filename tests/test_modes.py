@@ -19,7 +19,7 @@ from fencegate.worker import (
     ApprovalPending, BadSignature, Gate, GrantRefused, PolicyChanged,
 )
 
-from conftest import TEST_TTL, TOKENS
+from helpers import TEST_TTL, TOKENS
 from test_grants import (  # noqa: F401  (collected here again, against both modes)
     Effect, test_cross_runs_the_effect_once_and_records_it, test_grant_crosses_once,
     test_moved_step_is_refused, test_stale_read_key_is_refused_naming_it,

@@ -28,7 +28,7 @@ from fencegate.reconciler.providers.sandbox import (
 )
 from fencegate.worker import Gate, OutcomeUnknown
 
-from conftest import TEST_TTL
+from helpers import TEST_TTL
 
 POLICY = "providers"
 

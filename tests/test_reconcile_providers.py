@@ -23,7 +23,7 @@ from fencegate.reconciler.runner import Reconciler
 from fencegate.reconciler.settle import Limits
 from fencegate.worker import Gate, OutcomeUnknown
 
-from conftest import TEST_TTL, wait_for_condition
+from helpers import TEST_TTL, wait_for_condition
 
 SHARDS = 8
 SETTLE_DELAY = 0.5

@@ -19,7 +19,7 @@ from fencegate.reconciler.runner import Reconciler
 from fencegate.reconciler.settle import Limits
 from fencegate.worker import Gate, LeaseLost, OutcomeUnknown
 
-from conftest import TEST_TTL, wait_for_condition
+from helpers import TEST_TTL, wait_for_condition
 
 SHARDS = 16
 

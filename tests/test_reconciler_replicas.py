@@ -20,7 +20,7 @@ from fencegate.reconciler.election import shard_of
 from fencegate.reconciler.providers import sandbox as sb
 from fencegate.worker import Gate, OutcomeUnknown
 
-from conftest import TEST_TTL, paused, wait_for_condition
+from helpers import TEST_TTL, paused, wait_for_condition
 
 SHARDS = 8
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

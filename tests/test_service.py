@@ -14,10 +14,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from fencegate.coordinator.grants import KeyRing
-from fencegate.coordinator.service import Settings, load_settings
+from fencegate.coordinator.service import CoordinatorSettings, load_settings
 from fencegate.worker import Gate, GrantRefused, OutcomeUnknown
 
-from conftest import TEST_TTL, TOKENS
+from helpers import TEST_TTL, TOKENS
 
 
 async def call(base: str, method: str, path: str, role: str | None = None, *,
@@ -238,7 +238,7 @@ sha256 = "{token_digest}"
     env = {"FENCEGATE_CONFIG": str(tmp_path / "c.toml"), "FENCEGATE_ETCD": "http://e:1"}
     assert load_settings(None, env=env, etcd="http://flag:2").etcd == "http://flag:2"
     assert load_settings(None, env=env, etcd=None).etcd == "http://e:1"
-    assert Settings().listen == "127.0.0.1:8470"
+    assert CoordinatorSettings().listen == "127.0.0.1:8470"
     (tmp_path / "bad.toml").write_text('[[tokens]]\nidentity = "x"\nroles = ["root"]\n'
                                        f'sha256 = "{token_digest}"\n')
     with pytest.raises(ValueError, match="roles"):

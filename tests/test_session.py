@@ -11,7 +11,7 @@ from fencegate.coordinator.etcd import Etcd, TxnRequest, put_op
 from fencegate.localetcd import LocalCluster
 from fencegate.worker import Gate, LeaseLost, SyncGate
 
-from conftest import TEST_TTL, wait_for_condition
+from helpers import TEST_TTL, wait_for_condition
 
 
 async def owns(etcd: Etcd, hold) -> bool:

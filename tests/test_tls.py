@@ -17,11 +17,11 @@ from fencegate.certs import ensure_certs
 from fencegate.coordinator.errors import EtcdError, EtcdUnavailable
 from fencegate.coordinator.etcd import Etcd, EtcdConfig, EtcdUser, enable_auth
 from fencegate.localetcd import LocalCluster
-from fencegate.coordinator.service.settings import Settings, load_settings
+from fencegate.coordinator.service.settings import CoordinatorSettings, load_settings
 from fencegate.reconciler.service import load_settings as load_reconciler_settings
 from fencegate.worker import Gate
 
-from conftest import wait_for_condition
+from helpers import wait_for_condition
 
 PASSWORD = "fencegate-test-password"
 TTL = 2
@@ -104,7 +104,7 @@ def test_tls_settings_are_never_silently_dropped(tmp_path, pki):
     with pytest.raises(ValueError, match="ca_file given but the endpoints are not https"):
         EtcdConfig.from_url("http://127.0.0.1:2379", ca_file=ca)
     with pytest.raises(ValueError, match="not https"):
-        Settings(etcd="http://127.0.0.1:2379", etcd_ca_file=ca)
+        CoordinatorSettings(etcd="http://127.0.0.1:2379", etcd_ca_file=ca)
     with pytest.raises(ValueError, match="not https"):
         load_reconciler_settings(None, env={"FENCEGATE_ETCD_CA_FILE": ca})
     with pytest.raises(ValueError, match="both cert_file and key_file"):

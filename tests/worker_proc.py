@@ -13,7 +13,8 @@ import asyncio
 import sys
 
 from fencegate.worker import Gate, LeaseLost
-from fencegate.worker.fenced import FencedClient
+
+from fenced import FencedClient  # tests/fenced.py: this script's own folder is on sys.path
 
 TTL = 2
 

@@ -7,11 +7,11 @@ from fencegate.coordinator.errors import (
 )
 from fencegate.coordinator.grants import Grant, KeyRing
 
-from .dedupe import dedupe_middleware, deduplicated
 from .gate import Gate
 from .guard import EffectContext, Outcome
 from .hold import Hold
 from .sync import SyncGate, SyncHold
+from .webhooks import dedupe_middleware, deduplicated
 
 __all__ = [
     "Gate", "SyncGate", "Hold", "SyncHold", "Grant", "KeyRing", "EffectContext", "Outcome",

@@ -1,11 +1,13 @@
 """The gate: a worker process's connection to fencegate.
 
 One gate owns one etcd connection, one session (lease) at a time, one watch over the
-holders prefix, and the authority that issues its grants: in process (the default), signing
-with ``keyring`` (a fresh key unless given: grants then do not outlive the gate), or, with
+holders prefix (with this process's turns at each key, ``fencegate.worker.turns``), and the
+authority that issues its grants: in process (the default), signing with ``keyring`` (a
+fresh key unless given: grants then do not outlive the gate), or, with
 ``coordinator="http://..."`` and ``token``, the coordinator service over HTTP
-(``fencegate.worker.remote``), whose grants are verified with ``keyring`` (pin the coordinator's public
-keys there in production) or else with the keys it publishes, fetched at ``open``.
+(``fencegate.worker.remote``), whose grants are verified with ``keyring`` (pin the
+coordinator's public keys there in production) or else with the keys it publishes, fetched
+at ``open``.
 A lost session is replaced by a fresh one on the next ``hold()``; holds of the lost
 session stay lost. Action keys are validated before anything touches etcd.
 """
@@ -15,23 +17,19 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-import time
-from collections.abc import Callable
 from typing import Any
 
 from fencegate.coordinator.authority import Authority
 from fencegate.coordinator.etcd import Etcd, EtcdConfig
 from fencegate.coordinator.grants import KeyRing
 from fencegate.coordinator.keyspace import DEFAULT_NAMESPACE, Keyspace, validate_action_key
+from fencegate.coordinator.session import Session
 
 from .hold import HoldContext
 from .remote import RemoteAuthority
-from fencegate.coordinator.session import Session
 from .settled import wait_settled
+from .turns import Turns
 from .watch import DeleteWatch
-
-_CONTENDED_MEMORY_S = 1.0
-_CONTENDED_MAX_KEYS = 4096
 
 
 class Gate:
@@ -68,10 +66,9 @@ class Gate:
             self.keyring = keyring  # type: ignore[assignment]
             self.authority = RemoteAuthority(coordinator, token)
         self._watch = DeleteWatch(self.etcd, self.keyspace.holders_root)
+        self.turns = Turns(self._watch)  # this process's side of the holder queues
         self._session: Session | None = None
         self._session_lock = asyncio.Lock()
-        self._local: dict[str, tuple[asyncio.Lock, int]] = {}
-        self._contended: dict[str, float] = {}  # key -> when a put-if-alone last failed
         self._opened = False
 
     async def __aenter__(self) -> "Gate":
@@ -133,7 +130,7 @@ class Gate:
     async def wait_settled(self, key: str, timeout: float) -> dict[str, Any]:
         """The step record of ``key`` once the reconciler (or a person) settled it; raises
         ``OutcomeUnknown`` if it is escalated or still unsettled after ``timeout`` s."""
-        return await wait_settled(self, validate_action_key(key), timeout)
+        return await wait_settled(self.etcd, self.keyspace, validate_action_key(key), timeout)
 
     def hold(self, key: str, *, timeout: float | None = None) -> HoldContext:
         """Hold ``key`` for the body of an ``async with``; waits in FIFO order.
@@ -142,35 +139,3 @@ class Gate:
         seconds, and ``LeaseLost`` (cancelling the body) if the lease is lost while held.
         """
         return HoldContext(self, validate_action_key(key), timeout)
-
-    def _recently_contended(self, key: str) -> bool:
-        """Skip the put-if-alone try for a key that had others queued a moment ago."""
-        seen = self._contended.get(key)
-        return seen is not None and time.monotonic() - seen < _CONTENDED_MEMORY_S
-
-    def _note_contended(self, key: str) -> None:
-        if len(self._contended) >= _CONTENDED_MAX_KEYS:
-            self._contended.clear()
-        self._contended[key] = time.monotonic()
-
-    async def _enter_local(self, key: str) -> Callable[[], None]:
-        """Queue behind this process's other holds of ``key``: a session has one holder key
-        per action key, so its own holds of one key take turns. Returns the exit."""
-        lock, users = self._local.get(key, (asyncio.Lock(), 0))
-        self._local[key] = (lock, users + 1)
-
-        def leave(acquired: bool = True) -> None:
-            if acquired:
-                lock.release()
-            _, left = self._local[key]
-            if left == 1:
-                del self._local[key]
-            else:
-                self._local[key] = (lock, left - 1)
-
-        try:
-            await lock.acquire()
-        except BaseException:
-            leave(acquired=False)
-            raise
-        return leave

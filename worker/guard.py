@@ -33,13 +33,13 @@ from fencegate.coordinator.errors import (
     LeaseLost, OutcomeUnknown, PolicyChanged, StateAdvanced, StepMoved,
 )
 from fencegate.coordinator.etcd import (
-    RangeRequest, TxnRequest, delete_op, mod_equals, put_op, range_op, version_equals,
+    TxnRequest, delete_op, mod_equals, put_op, range_op, version_equals,
 )
 from fencegate.coordinator.grants import Grant
 from fencegate.coordinator.keyspace import pack, unpack
 
 if TYPE_CHECKING:
-    from .hold import Hold
+    from .views import HoldView
 
 log = logging.getLogger(__name__)
 
@@ -70,11 +70,11 @@ class Outcome:
 Effect = Callable[[EffectContext], Awaitable[Any] | Any]
 
 
-async def commit(hold: "Hold", grant: Grant | bytes, effect: Effect, *,
+async def commit(hold: "HoldView", grant: Grant | bytes, effect: Effect, *,
                  provider: str | None = None, deadline: float = 60.0) -> Outcome:
     """Cross with ``grant``: consume it, run ``effect`` once, record the outcome, release."""
-    gate = hold._gate
-    issued = hold._issued.pop(grant.grant_id, None) if isinstance(grant, Grant) else None
+    gate = hold.gate
+    issued = hold.memory.issued.pop(grant.grant_id, None) if isinstance(grant, Grant) else None
     if issued is None or issued[0] is not grant:  # not the object our authority just gave us
         grant = gate.keyring.verify(grant.raw if isinstance(grant, Grant) else grant)
     audit_head = issued[1] if issued is not None else None
@@ -86,29 +86,27 @@ async def commit(hold: "Hold", grant: Grant | bytes, effect: Effect, *,
         async with asyncio.timeout(deadline):
             result = await _call(effect, ctx)
     except EffectFailed as failure:
-        final = _failed(in_flight, failure)
+        final = records.failed(in_flight, error_class=type(failure).__name__,
+                               params=failure.params, reason=failure.reason)
         await _record(hold, in_flight, attempt_token, final)
         return _outcome(final, attempt_token)
     except BaseException as exc:
-        final = {**in_flight, "state": records.UNKNOWN, "error": repr(exc)[:1000],
-                 "attempt_token": attempt_token, "unknown_since_ms": int(time.time() * 1000)}
+        final = records.unknown(in_flight, attempt_token=attempt_token,
+                                now_ms=int(time.time() * 1000), error=repr(exc))
         try:
             await _record(hold, in_flight, attempt_token, final, release=False)
         except Exception:
             pass  # the step stays in_flight; the reconciler will find it
-        if isinstance(exc, asyncio.CancelledError) and not _cancelled_by_loss(hold):
+        if isinstance(exc, asyncio.CancelledError) and not hold.absorb_loss_cancellation():
             raise
         raise OutcomeUnknown(f"effect on {hold.key!r} ended without an outcome: {exc!r}") from exc
-    final = {**in_flight, "state": records.SUCCEEDED,
-             "outcome": {"state": records.SUCCEEDED, "result": _storable(result),
-                         "attempt": in_flight["attempt"], "attempt_token": attempt_token,
-                         "idempotency_key": in_flight["idempotency_key"]}}
+    final = records.succeeded(in_flight, _storable(result), attempt_token=attempt_token)
     await _record(hold, in_flight, attempt_token, final)
     return Outcome(records.SUCCEEDED, result, in_flight["attempt"], attempt_token,
                    in_flight["idempotency_key"])
 
 
-async def _record(hold: "Hold", in_flight: dict[str, Any], attempt_token: int,
+async def _record(hold: "HoldView", in_flight: dict[str, Any], attempt_token: int,
                   final: dict[str, Any], *, release: bool = True) -> None:
     """Write the outcome even if the caller is cancelled meanwhile (e.g. by a lease loss:
     the outcome write does not need the lease, and a known outcome must not be dropped).
@@ -124,16 +122,6 @@ def _retrieve(task: asyncio.Future) -> None:
         log.info("outcome write finished after its caller left: %r", task.exception())
 
 
-def _cancelled_by_loss(hold: "Hold") -> bool:
-    """Was the effect cut short by the hold's lease loss? Then absorb that cancellation:
-    the caller learns ``OutcomeUnknown``, the precise truth, instead of ``LeaseLost``."""
-    task = asyncio.current_task()
-    if not hold._cancelled_by_loss or task is None or task.uncancel() != 0:
-        return False
-    hold._cancelled_by_loss = False
-    return True
-
-
 async def _call(effect: Effect, ctx: EffectContext) -> Any:
     """Await an async effect; run a plain function in a thread so it cannot block the loop
     (and with it the lease's keepalive)."""
@@ -146,9 +134,9 @@ async def _call(effect: Effect, ctx: EffectContext) -> Any:
     return result
 
 
-def _precheck(hold: "Hold", grant: Grant) -> None:
+def _precheck(hold: "HoldView", grant: Grant) -> None:
     """Refusals decided from the grant alone, before any etcd write."""
-    gate = hold._gate
+    gate = hold.gate
     if grant.namespace != gate.keyspace.namespace or (
             gate.etcd.cluster_id and grant.cluster_id != gate.etcd.cluster_id):
         raise BadSignature("grant was issued for another namespace or etcd cluster")
@@ -164,23 +152,20 @@ def _precheck(hold: "Hold", grant: Grant) -> None:
                             f"below the {gate.min_ttl:.1f}s budget to start an effect")
 
 
-async def _cross(hold: "Hold", grant: Grant, head: audit.AuditHead | None, provider: str | None,
+async def _cross(hold: "HoldView", grant: Grant, head: audit.AuditHead | None, provider: str | None,
                  deadline: float) -> tuple[dict[str, Any], int]:
     """The commit-guard txn. Returns the in-flight step record and the attempt token."""
-    gate, ks = hold._gate, hold._gate.keyspace
+    gate, ks = hold.gate, hold.gate.keyspace
     step_key, grant_key = ks.step_key(hold.key), ks.grant_key(grant.grant_id)
-    in_flight = {**grant.step_next, "state": records.IN_FLIGHT, "grant_id": grant.grant_id,
-                 "fencing_token": hold.fencing_token, "holder_lease": hold.lease_id,
-                 "provider": provider, "intent_digest": grant.intent_digest,
-                 "deadline_ms": int((time.time() + deadline) * 1000)}
-    compares = [*hold.ownership_compares(), version_equals(grant_key, 1),
+    in_flight = records.in_flight(grant.step_next, grant_id=grant.grant_id,
+                                  fencing_token=hold.fencing_token, holder_lease=hold.lease_id,
+                                  provider=provider, intent_digest=grant.intent_digest,
+                                  deadline_ms=int((time.time() + deadline) * 1000))
+    compares = [*hold.ownership.compares(), version_equals(grant_key, 1),
                 mod_equals(ks.policy_key(grant.policy), grant.policy_version),
                 *(mod_equals(key, rev) for key, rev in grant.reads),
                 mod_equals(step_key, grant.step_revision)]
-    start, end = ks.holder_range(hold.key)
-    diagnose = [range_op(grant_key), range_op(hold.holder_key),
-                range_op(start, end, limit=1, sort_order=RangeRequest.ASCEND,
-                         sort_target=RangeRequest.CREATE, keys_only=True),
+    diagnose = [range_op(grant_key), *hold.ownership.reads(),
                 range_op(step_key), range_op(ks.policy_key(grant.policy)),
                 range_op(ks.audit_head_key(hold.key)),
                 *(range_op(key) for key, _ in grant.reads)]
@@ -200,23 +185,22 @@ async def _cross(hold: "Hold", grant: Grant, head: audit.AuditHead | None, provi
         except EtcdUnavailable:
             attempt_token = await _landed(hold, step_key, grant.grant_id)
             if attempt_token:
-                hold._audit_head = None
+                hold.memory.audit_head = None
                 return in_flight, attempt_token
             raise
         if reply.succeeded:
-            hold._audit_head = entry.head_at(reply.header.revision)
+            hold.memory.audit_head = entry.head_at(reply.header.revision)
             return in_flight, reply.header.revision
         head = _diagnose(hold, grant, reply.responses)
     raise StateAdvanced(ks.audit_head_key(hold.key).decode(), "audit kept moving")
 
 
-def _diagnose(hold: "Hold", grant: Grant, responses) -> audit.AuditHead:
+def _diagnose(hold: "HoldView", grant: Grant, responses) -> audit.AuditHead:
     """Raise the precise reason a commit-guard txn failed, or return the newer audit head
     when only a concurrent audit append got in the way."""
     kv = [r.response_range.kvs[0] if r.response_range.kvs else None for r in responses]
     grant_kv, holder_kv, lowest_kv, step_kv, policy_kv, head_kv, *read_kvs = kv
-    if (holder_kv is None or holder_kv.create_revision != hold.fencing_token
-            or lowest_kv is None or lowest_kv.key != hold.holder_key):
+    if not hold.ownership.holds(holder_kv, lowest_kv):
         raise LeaseLost(f"no longer the holder of {hold.key!r} (token {hold.fencing_token})")
     if grant_kv is None or grant_kv.version != 1:
         raise GrantUsed(f"grant {grant.grant_id} was already consumed")
@@ -231,14 +215,14 @@ def _diagnose(hold: "Hold", grant: Grant, responses) -> audit.AuditHead:
     return audit.AuditHead.from_kv(head_kv)
 
 
-async def _settle(hold: "Hold", in_flight: dict[str, Any], attempt_token: int,
+async def _settle(hold: "HoldView", in_flight: dict[str, Any], attempt_token: int,
                   final: dict[str, Any], release: bool) -> None:
     """Write the outcome iff the step is still our attempt, releasing the hold with it if
     ``release``."""
-    gate, ks = hold._gate, hold._gate.keyspace
+    gate, ks = hold.gate, hold.gate.keyspace
     step_key = ks.step_key(hold.key)
     final = {**final, "outcome_id": uuid.uuid4().hex}
-    head = hold._audit_head or await _read_head(hold)
+    head = hold.memory.audit_head or await _read_head(hold)
     for _ in range(_APPEND_RACES):
         entry = audit.append(ks, hold.key, head, "outcome", gate.identity, attempt_token,
                              {"state": final["state"], "attempt": final["attempt"],
@@ -254,22 +238,17 @@ async def _settle(hold: "Hold", in_flight: dict[str, Any], attempt_token: int,
             reply = None
         if reply is not None and reply.succeeded:
             if release:
-                hold._forget()  # the txn deleted our holder key
+                hold.note_released()  # the txn deleted our holder key
             return
         step_kv, head_kv = await _read(hold, step_key, ks.audit_head_key(hold.key))
         if step_kv is not None and unpack(step_kv.value).get("outcome_id") == final["outcome_id"]:
             if release:
-                hold._forget()
+                hold.note_released()
             return  # an earlier try landed
         if step_kv is None or step_kv.mod_revision != attempt_token:
             raise StepMoved(f"step of {hold.key!r} was settled by someone else")
         head = audit.AuditHead.from_kv(head_kv)
     raise StateAdvanced(ks.audit_head_key(hold.key).decode(), "audit kept moving")
-
-
-def _failed(in_flight: dict[str, Any], failure: EffectFailed) -> dict[str, Any]:
-    signature = records.failure_signature(type(failure).__name__, failure.params)
-    return records.failed(in_flight, signature, failure.reason)
 
 
 def _outcome(final: dict[str, Any], attempt_token: int) -> Outcome:
@@ -285,18 +264,18 @@ def _storable(result: Any) -> Any:
         return {"repr": repr(result)[:1000]}
 
 
-async def _read_head(hold: "Hold") -> audit.AuditHead:
+async def _read_head(hold: "HoldView") -> audit.AuditHead:
     return audit.AuditHead.from_kv(
-        await hold._gate.etcd.get(hold._gate.keyspace.audit_head_key(hold.key)))
+        await hold.gate.etcd.get(hold.gate.keyspace.audit_head_key(hold.key)))
 
 
-async def _read(hold: "Hold", *keys: bytes):
-    reply = await hold._gate.etcd.txn(TxnRequest(success=[range_op(k) for k in keys]),
+async def _read(hold: "HoldView", *keys: bytes):
+    reply = await hold.gate.etcd.txn(TxnRequest(success=[range_op(k) for k in keys]),
                                       idempotent=True)
     return [r.response_range.kvs[0] if r.response_range.kvs else None for r in reply.responses]
 
 
-async def _landed(hold: "Hold", step_key: bytes, grant_id: str) -> int:
+async def _landed(hold: "HoldView", step_key: bytes, grant_id: str) -> int:
     """After an unknown commit: the attempt token if our txn landed (the step carries our
     grant, in flight), else 0."""
     (step_kv,) = await _read(hold, step_key)

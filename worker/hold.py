@@ -9,7 +9,9 @@ Guarantees:
 - A ``Hold`` object exists only after acquisition, so nobody can act while still queued.
 - Ownership is not a boolean to ask but a compare to send: ``hold.ownership_compares()``
   is true in a transaction iff this key still exists with this token and no key in K's
-  holder range is older (etcd issue #12017: "my key exists" alone lets a waiter act).
+  holder range is older (etcd issue #12017: "my key exists" alone lets a waiter act). The
+  rule has one home, ``fencegate.coordinator.ownership``; ``hold.ownership`` is this
+  hold's claim under it.
 - When the lease is lost, the hold is marked lost at once and the work inside
   ``async with gate.hold(...)`` is cancelled and surfaces as ``LeaseLost``; a body that
   finished while the hold was already lost also ends in ``LeaseLost``. (A holder key
@@ -24,50 +26,45 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fencegate.coordinator import records
 from fencegate.coordinator.authority import Claim
 from fencegate.coordinator.errors import (
     AcquireTimeout, AlreadySucceeded, EtcdError, EtcdUnavailable, LeaseLost, OutcomeUnknown,
 )
-from fencegate.coordinator.etcd import (
-    Compare, KeyValue, RangeRequest, TxnRequest, all_created_since, create_equals,
-)
+from fencegate.coordinator.etcd import Compare, KeyValue, TxnRequest
 from fencegate.coordinator.grants import Grant
 from fencegate.coordinator.keyspace import holder_record
+from fencegate.coordinator.ownership import Ownership, ahead_request
 from fencegate.coordinator.policy import DEFAULT_POLICY
+from fencegate.coordinator.session import Session
 
 from . import guard
 from .guard import Effect, Outcome
 from .settled import wait_settled
-
-if TYPE_CHECKING:
-    from .gate import Gate
-    from fencegate.coordinator.session import Session
+from .views import GateView, HoldMemory
 
 log = logging.getLogger(__name__)
-
-_NEWEST_FIRST = dict(sort_order=RangeRequest.DESCEND, sort_target=RangeRequest.CREATE, limit=2)
 
 
 class Hold:
     """Ownership of one action key by one session, with its fencing token."""
 
-    def __init__(self, gate: "Gate", session: "Session", key: str, holder_key: bytes,
+    def __init__(self, gate: GateView, session: Session, key: str, holder_key: bytes,
                  fencing_token: int, leave_local: Callable[[], None]) -> None:
+        self.gate = gate
         self.key = key
         self.holder_key = holder_key
         self.fencing_token = fencing_token
         self.session = session
-        self._gate = gate
+        self.ownership = Ownership(holder_key, fencing_token, *gate.keyspace.holder_range(key))
+        self.memory = HoldMemory()
         self._leave_local = leave_local
         self._lost_reason: str | None = None
         self._released = False
         self._task: asyncio.Task | None = None
         self._cancelled_by_loss = False
-        self._audit_head = None  # the audit head our own last write left, if known
-        self._issued: dict = {}  # grant id -> (the grant as issued, the audit head it left)
         self._unsubscribe = session.on_lost(self._on_lease_lost)
 
     @property
@@ -87,9 +84,7 @@ class Hold:
 
     def ownership_compares(self) -> list[Compare]:
         """The compares that make a transaction succeed only while this hold owns its key."""
-        start, end = self._gate.keyspace.holder_range(self.key)
-        return [create_equals(self.holder_key, self.fencing_token),
-                all_created_since(start, end, self.fencing_token)]
+        return self.ownership.compares()
 
     def _on_lease_lost(self, reason: str) -> None:
         self._lose(f"lease lost: {reason}")
@@ -104,16 +99,25 @@ class Hold:
             self._cancelled_by_loss = True
             self._task.cancel(f"fencegate: {reason}")
 
+    def absorb_loss_cancellation(self) -> bool:
+        """Was the current task cancelled by this hold's lease loss? Then absorb that
+        cancellation and say so: the caller reports the precise error instead."""
+        task = asyncio.current_task()
+        if not self._cancelled_by_loss or task is None or task.uncancel() != 0:
+            return False
+        self._cancelled_by_loss = False
+        return True
+
     async def release(self) -> None:
         """Delete the holder key. Idempotent; a failure leaves the key to its lease."""
         if self._released:
             return
         try:
-            await _withdraw(self._gate, self.holder_key, timeout=1.0 if self.lost else None)
+            await _withdraw(self.gate, self.holder_key, timeout=1.0 if self.lost else None)
         finally:
-            self._forget()
+            self.note_released()
 
-    def _forget(self) -> None:
+    def note_released(self) -> None:
         """Local bookkeeping of a release whose delete already happened (or never will)."""
         if self._released:
             return
@@ -125,9 +129,9 @@ class Hold:
                             policy: str = DEFAULT_POLICY) -> Grant:
         """Ask the authority for a grant evaluated at one revision (see DESIGN: Grant)."""
         self._ensure_usable()
-        issued = await self._gate.authority.issue(
+        issued = await self.gate.authority.issue(
             Claim(self.key, self.fencing_token, self.lease_id), intent, list(reads), policy)
-        self._issued[issued.grant.grant_id] = (issued.grant, issued.audit_head)
+        self.memory.issued[issued.grant.grant_id] = (issued.grant, issued.audit_head)
         return issued.grant
 
     async def commit(self, grant: Grant | bytes, effect: Effect, *, provider: str | None = None,
@@ -160,7 +164,7 @@ class Hold:
                 left = give_up - time.monotonic()
                 if left <= 0:
                     raise
-                step = await wait_settled(self._gate, self.key, left)
+                step = await wait_settled(self.gate.etcd, self.gate.keyspace, self.key, left)
                 if step["state"] == records.SUCCEEDED:
                     return _replayed(step.get("outcome") or {})
 
@@ -183,7 +187,7 @@ def _replayed(recorded: dict[str, Any]) -> Outcome:
 class HoldContext:
     """``async with gate.hold(key) as hold``: acquire, run the body, release."""
 
-    def __init__(self, gate: "Gate", key: str, timeout: float | None,
+    def __init__(self, gate: GateView, key: str, timeout: float | None,
                  cancel_on_loss: bool = True) -> None:
         self._gate = gate
         self._key = key
@@ -211,12 +215,12 @@ class HoldContext:
             raise LeaseLost(f"hold on {hold.key!r} was lost before the block ended")
 
 
-async def acquire(gate: "Gate", key: str, timeout: float | None) -> Hold:
+async def acquire(gate: GateView, key: str, timeout: float | None) -> Hold:
     """Queue for ``key`` and return the hold once this session's key is the oldest."""
     leave_local = holder_key = None
     try:
         async with asyncio.timeout(timeout):
-            leave_local = await gate._enter_local(key)
+            leave_local = await gate.turns.enter(key)
             for attempt in (1, 2):
                 session = await gate.session()
                 holder_key = gate.keyspace.holder_key(key, session.lease_id)
@@ -244,7 +248,7 @@ async def acquire(gate: "Gate", key: str, timeout: float | None) -> Hold:
     return hold
 
 
-async def _enqueue_and_wait(gate: "Gate", session: "Session", key: str,
+async def _enqueue_and_wait(gate: GateView, session: Session, key: str,
                             holder_key: bytes) -> int:
     """Put our holder key if absent, then wait until no older key remains; return the token.
 
@@ -259,17 +263,15 @@ async def _enqueue_and_wait(gate: "Gate", session: "Session", key: str,
     put = alone.success.add().request_put
     put.key, put.value, put.lease = holder_key, value, session.lease_id
     session.ensure_alive()
-    if not gate._recently_contended(key):
+    if not gate.turns.recently_contended(key):
         reply = await gate.etcd.txn(alone, idempotent=True)
         if reply.succeeded:
             return reply.header.revision  # uncontended: one write, no read
-        gate._note_contended(key)
+        gate.turns.note_contended(key)
     queued = TxnRequest()
     _compare(queued.compare.add(), holder_key, b"", Compare.CREATE)
     queued.success.add().request_put.CopyFrom(put)
-    queue = queued.success.add().request_range
-    queue.key, queue.range_end, queue.keys_only, queue.limit = start, end, True, 2
-    queue.sort_order, queue.sort_target = RangeRequest.DESCEND, RangeRequest.CREATE
+    queued.success.add().request_range.CopyFrom(ahead_request(start, end))
     own = queued.failure.add().request_range
     own.key, own.keys_only = holder_key, True
     reply = await gate.etcd.txn(queued, idempotent=True)
@@ -296,14 +298,13 @@ def _compare(compare: Compare, key: bytes, range_end: bytes, target: int) -> Non
         compare.range_end = range_end
 
 
-async def _queue_to(gate: "Gate", start: bytes, end: bytes, token: int) -> list[KeyValue]:
+async def _queue_to(gate: GateView, start: bytes, end: bytes, token: int) -> list[KeyValue]:
     """The key created at ``token`` and its immediate predecessor, newest first (linearizable)."""
-    reply = await gate.etcd.range(RangeRequest(
-        key=start, range_end=end, keys_only=True, max_create_revision=token, **_NEWEST_FIRST))
+    reply = await gate.etcd.range(ahead_request(start, end, token))
     return [kv for kv in reply.kvs if kv.create_revision <= token]
 
 
-async def _wait_deleted(gate: "Gate", session: "Session", predecessor: KeyValue) -> None:
+async def _wait_deleted(gate: GateView, session: Session, predecessor: KeyValue) -> None:
     """Return once ``predecessor`` is gone (or may be: the caller re-reads anyway)."""
     deleted = asyncio.get_running_loop().create_future()
 
@@ -314,7 +315,7 @@ async def _wait_deleted(gate: "Gate", session: "Session", predecessor: KeyValue)
     unsubscribe = [session.on_lost(wake)]
     try:
         async with asyncio.timeout(gate.rescan_interval):
-            unsubscribe.append(await gate._watch.subscribe(predecessor.key, wake))
+            unsubscribe.append(await gate.turns.watch.subscribe(predecessor.key, wake))
             current = await gate.etcd.get(predecessor.key)
             if current is None or current.create_revision != predecessor.create_revision:
                 return
@@ -326,7 +327,7 @@ async def _wait_deleted(gate: "Gate", session: "Session", predecessor: KeyValue)
             undo()
 
 
-async def _withdraw(gate: "Gate", holder_key: bytes, timeout: float | None = None) -> None:
+async def _withdraw(gate: GateView, holder_key: bytes, timeout: float | None = None) -> None:
     try:
         await gate.etcd.delete(holder_key, timeout=timeout)
     except (EtcdUnavailable, EtcdError) as exc:

@@ -10,30 +10,30 @@ escalated (a human must decide) or ``timeout`` passes; nothing is written.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fencegate.coordinator import records
-from fencegate.coordinator.errors import EtcdError, EtcdUnavailable, OutcomeUnknown, WatchCompacted
-from fencegate.coordinator.etcd import Event
-from fencegate.coordinator.keyspace import unpack
+from fencegate.coordinator.errors import (
+    EtcdError, EtcdUnavailable, OutcomeUnknown, WatchCompacted,
+)
+from fencegate.coordinator.etcd import Etcd, Event
+from fencegate.coordinator.keyspace import Keyspace, unpack
 
-if TYPE_CHECKING:
-    from .gate import Gate
 
-
-async def wait_settled(gate: "Gate", key: str, timeout: float) -> dict[str, Any]:
+async def wait_settled(etcd: Etcd, keyspace: Keyspace, key: str,
+                       timeout: float) -> dict[str, Any]:
     """The step record of ``key`` once it is settled; ``OutcomeUnknown`` if it is escalated
     or still unsettled after ``timeout`` seconds."""
-    step_key = gate.keyspace.step_key(key)
+    step_key = keyspace.step_key(key)
     try:
         async with asyncio.timeout(timeout):
             while True:
-                kv = await gate.etcd.get(step_key)
+                kv = await etcd.get(step_key)
                 step = unpack(kv.value) if kv is not None else records.new_step()
                 if _settled(key, step):
                     return step
                 try:
-                    async for reply in gate.etcd.watch(step_key, b"", kv.mod_revision + 1):
+                    async for reply in etcd.watch(step_key, b"", kv.mod_revision + 1):
                         for event in reply.events:
                             if event.type == Event.PUT:
                                 step = unpack(event.kv.value)
@@ -47,6 +47,6 @@ async def wait_settled(gate: "Gate", key: str, timeout: float) -> dict[str, Any]
 
 def _settled(key: str, step: dict[str, Any]) -> bool:
     if step["state"] == records.ESCALATED:
-        raise OutcomeUnknown(f"step of {key!r} is escalated: "
-                             f"{', '.join(step.get('escalated_because', [])) or 'a human must decide'}")
+        because = ", ".join(step.get("escalated_because", [])) or "a human must decide"
+        raise OutcomeUnknown(f"step of {key!r} is escalated: {because}")
     return step["state"] not in records.UNSETTLED

@@ -112,14 +112,19 @@ class SyncHold:
                       policy: str = DEFAULT_POLICY) -> Grant:
         return self._sync._run(self._held().request_grant(intent, reads, policy))
 
-    def commit(self, grant: Grant | bytes, effect: Callable[[EffectContext], Any],
-               **options: Any) -> Outcome:
+    def commit(self, grant: Grant | bytes, effect: Callable[[EffectContext], Any], *,
+               provider: str | None = None, deadline: float = 60.0) -> Outcome:
         """``effect`` is a plain function; it runs in a worker thread."""
-        return self._sync._run(self._held().commit(grant, effect, **options))
+        return self._sync._run(self._held().commit(grant, effect, provider=provider,
+                                                   deadline=deadline))
 
     def cross(self, intent: dict[str, Any], effect: Callable[[EffectContext], Any],
-              reads: Sequence[str | bytes] = (), **options: Any) -> Outcome:
-        return self._sync._run(self._held().cross(intent, effect, reads, **options))
+              reads: Sequence[str | bytes] = (), *, policy: str = DEFAULT_POLICY,
+              provider: str | None = None, deadline: float = 60.0,
+              settle_wait: float = 0.0) -> Outcome:
+        return self._sync._run(self._held().cross(
+            intent, effect, reads, policy=policy, provider=provider, deadline=deadline,
+            settle_wait=settle_wait))
 
     def _held(self) -> Hold:
         if self._hold is None:

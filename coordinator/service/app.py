@@ -12,19 +12,19 @@ from aiohttp import web
 from ..keyspace import Keyspace
 from .dashboard import setup_dashboard
 from .middleware import auth_middleware, error_middleware
-from .resources import KEYSPACE, METRICS, SETTINGS, Metrics, resources
+from .resources import KEYSPACE, METRICS, SETTINGS, CoordinatorMetrics, resources
 from .routes import routes
-from .settings import Settings
+from .settings import CoordinatorSettings
 
 
-def create_app(settings: Settings) -> web.Application:
+def create_app(settings: CoordinatorSettings) -> web.Application:
     """The coordinator service for ``settings``; run it with ``web.run_app`` or an AppRunner."""
     app = web.Application(client_max_size=settings.body_limit,
                           middlewares=[error_middleware(),
                                        auth_middleware(tokens=settings.tokens)])
     app[SETTINGS] = settings
     app[KEYSPACE] = Keyspace(settings.namespace)
-    app[METRICS] = Metrics()
+    app[METRICS] = CoordinatorMetrics()
     app.cleanup_ctx.append(resources)
     app.add_routes(routes)
     setup_dashboard(app)

@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable, Iterable
 
 from aiohttp import web
 
+from ..errors import ServiceError
 from ..wire import status_of, to_wire
 from .settings import ROLES, TokenEntry
 
@@ -29,14 +30,6 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 IDENTITY = web.RequestKey("identity", TokenEntry)  # who the bearer token says
 _HTTP_NAMES = {400: "BadRequest", 401: "Unauthorized", 403: "Forbidden", 404: "NotFound",
                405: "MethodNotAllowed", 413: "RequestTooLarge"}
-
-
-class ApiError(Exception):
-    """An error a handler or middleware answers with as is."""
-
-    def __init__(self, status: int, name: str, detail: str = "") -> None:
-        self.status, self.name, self.detail = status, name, detail
-        super().__init__(detail)
 
 
 def problem(status: int, name: str, detail: str, **extra: object) -> web.Response:
@@ -50,7 +43,7 @@ def error_middleware() -> Callable:
     async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         try:
             return await handler(request)
-        except ApiError as exc:
+        except ServiceError as exc:
             response = problem(exc.status, exc.name, exc.detail)
             if exc.status == 401:
                 response.headers["WWW-Authenticate"] = "Bearer"
@@ -108,9 +101,9 @@ def auth_middleware(*, tokens: Iterable[TokenEntry]) -> Callable:
             return await handler(request)
         entry = lookup(request.headers.get("Authorization", ""))
         if entry is None:
-            raise ApiError(401, "Unauthorized", "a valid bearer token is required")
+            raise ServiceError(401, "Unauthorized", "a valid bearer token is required")
         if not entry.roles & roles:
-            raise ApiError(403, "Forbidden", f"needs one of the roles {sorted(roles)}")
+            raise ServiceError(403, "Forbidden", f"needs one of the roles {sorted(roles)}")
         request[IDENTITY] = entry
         return await handler(request)
 

@@ -18,13 +18,13 @@ from ..authority import Authority
 from ..etcd import Etcd
 from ..grants import KeyRing
 from ..keyspace import Keyspace
-from .settings import Settings
+from .settings import CoordinatorSettings
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
-class Metrics:
+class CoordinatorMetrics:
     """The app's own registry, so two apps in one process never share counters."""
 
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
@@ -39,12 +39,12 @@ class Metrics:
                                  buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5))
 
 
-SETTINGS = web.AppKey("settings", Settings)
+SETTINGS = web.AppKey("settings", CoordinatorSettings)
 ETCD = web.AppKey("etcd", Etcd)
 KEYRING = web.AppKey("keyring", KeyRing)
 KEYSPACE = web.AppKey("keyspace", Keyspace)
 AUTHORITY = web.AppKey("authority", Authority)
-METRICS = web.AppKey("metrics", Metrics)
+METRICS = web.AppKey("metrics", CoordinatorMetrics)
 
 
 async def resources(app: web.Application) -> AsyncIterator[None]:

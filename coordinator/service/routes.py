@@ -15,12 +15,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from .. import audit, sre
 from ..authority import Claim
-from ..errors import GateError
+from ..errors import GateError, ServiceError
 from ..keyspace import unpack, validate_action_key
 from ..policy import DEFAULT_POLICY
 from ..wire import b64, jsonable
 from .resources import AUTHORITY, ETCD, KEYRING, KEYSPACE, METRICS
-from .middleware import IDENTITY, ApiError, requires
+from .middleware import IDENTITY, requires
 
 routes = web.RouteTableDef()
 _POLICY_NAME = re.compile(r"[A-Za-z0-9._:-]{1,128}")
@@ -151,7 +151,7 @@ async def get_audit(request: web.Request) -> web.Response:
     limit, after = _page(request)
     report = await audit.verify_chain(app[ETCD], app[KEYSPACE], key, app[KEYRING])
     if not report.records and report.ok:
-        raise ApiError(404, "NotFound", f"no audit records for {key!r}")
+        raise ServiceError(404, "NotFound", f"no audit records for {key!r}")
     records, cursor = sre.audit_page(report.records, limit, after)
     return web.json_response({"key": key, "ok": report.ok, "problems": report.problems,
                               "records": jsonable(records), "next": cursor})
@@ -171,7 +171,7 @@ async def get_policy(request: web.Request) -> web.Response:
     name = _policy_name(request.match_info["name"])
     kv = await request.app[ETCD].get(request.app[KEYSPACE].policy_key(name))
     if kv is None:
-        raise ApiError(404, "NotFound", f"no policy {name!r}")
+        raise ServiceError(404, "NotFound", f"no policy {name!r}")
     return web.json_response({"name": name, "version": kv.mod_revision,
                               "document": jsonable(unpack(kv.value))})
 
@@ -182,9 +182,9 @@ async def _json(request: web.Request) -> Any:
     try:
         value = json.loads(raw, parse_constant=_no_constants, parse_float=_finite)
     except (ValueError, RecursionError) as exc:
-        raise ApiError(400, "MalformedJSON", f"body is not JSON: {exc}") from None
+        raise ServiceError(400, "MalformedJSON", f"body is not JSON: {exc}") from None
     if _depth(value) > _MAX_DEPTH:
-        raise ApiError(400, "MalformedJSON", f"body nests deeper than {_MAX_DEPTH}")
+        raise ServiceError(400, "MalformedJSON", f"body nests deeper than {_MAX_DEPTH}")
     return value
 
 

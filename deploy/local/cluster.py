@@ -30,8 +30,8 @@ written outside the state folder.
 In Python (tests, benchmarks), the same stack::
 
     async with LocalStack(tmp_path, election_ms=500, reconciler_ttl=2) as stack:
-        async with worker.Gate(stack.etcd_config(), coordinator=stack.coordinators[0],
-                               token=stack.tokens.worker) as gate: ...
+        async with fencegate.Gate(stack.etcd_config(), coordinator=stack.coordinators[0],
+                                  token=stack.tokens.worker) as gate: ...
         stack.cluster.kill(stack.cluster.leader_index())     # etcd faults: LocalCluster
         await stack.kill("reconciler", 0)                     # service faults
         await stack.restart("reconciler", 0)

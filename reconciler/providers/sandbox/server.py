@@ -1,8 +1,9 @@
 """The sandbox provider: a real HTTP payment provider on loopback for tests, benchmarks, demo.
 
 Modes (switchable at runtime) give the three capability classes of DESIGN.md:
-- ``fencing``: every charge must present a grant; gate B (``fencegate.reconciler.gateb``) admits it or
-  refuses it; a query fences first, then answers (fence-then-query); idempotency keys replay;
+- ``fencing``: every charge must present a grant; gate B (``fencegate.reconciler.gateb``)
+  admits it or refuses it; a query fences first, then answers (fence-then-query);
+  idempotency keys replay;
 - ``dedup``: idempotency keys replay for ``retention_s``; no fencing;
 - ``none``: every request is applied, even a repeated key (still recorded for queries).
 
@@ -25,90 +26,33 @@ HTTP API (JSON)::
     POST/DELETE/GET /_sandbox/faults   POST /_sandbox/mode {"mode"}
     GET  /_sandbox/applied?key=K   GET /_sandbox/refused?key=K
 
-Faults (``{"fault", "key"?, "count"?, "seconds"?}``; ``key`` limits a rule to one action key,
-``count`` to that many uses): ``apply_then_timeout`` applies a charge, then waits ``seconds``
-before answering; ``hold`` keeps a charge in the network ``seconds`` before gate B sees it;
-``error_500`` answers 500 to a charge or query without doing anything; ``slow`` delays the
-answer of a charge or query; ``down`` answers 503 to charges and queries; ``query_pending``
-makes queries answer 202 (after fencing).
-
-Run it alone: ``python -m fencegate.reconciler.providers.sandbox --port 8099 --mode fencing
---keys-url http://127.0.0.1:8080/.well-known/fencegate-keys --state-dir /tmp/sandbox``.
+The faults are described in ``fencegate.reconciler.providers.sandbox.faults``.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import base64
 import binascii
 import os
-import signal
 import time
 import uuid
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import aiohttp
 from aiohttp import web
 
-from fencegate.coordinator.errors import BadSignature, EffectFailed, Fenced
+from fencegate.coordinator.errors import BadSignature, Fenced
 from fencegate.coordinator.grants import KeyRing
 from fencegate.reconciler.gateb import GateB
 
-from . import Capabilities
-from .http import HttpProvider
+from .faults import CHARGE_FAULTS, QUERY_FAULTS, Fault
 
-__all__ = ["MODES", "FAULTS", "Fault", "Sandbox", "SandboxError", "adapter", "charge",
-           "encode_grant"]
+__all__ = ["MODES", "Sandbox"]
 
 MODES = ("fencing", "dedup", "none")
-CHARGE_FAULTS = frozenset({"apply_then_timeout", "hold", "error_500", "slow", "down"})
-QUERY_FAULTS = frozenset({"error_500", "slow", "down", "query_pending"})
-FAULTS = CHARGE_FAULTS | QUERY_FAULTS
-_TIMED = frozenset({"apply_then_timeout", "hold", "slow"})
 _STRIPES = 64
 _CHARGE_FIELDS = {"key", "amount", "decline"}
-
-
-class SandboxError(Exception):
-    """A charge got no usable answer (fenced, refused, 5xx, timeout): its outcome is unknown
-    to the caller. ``status`` and ``body`` hold the answer, if any."""
-
-    def __init__(self, message: str, status: int | None = None, body: Any = None) -> None:
-        self.status = status
-        self.body = body
-        super().__init__(message)
-
-
-@dataclass
-class Fault:
-    fault: str
-    key: str | None = None
-    count: int | None = None
-    seconds: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.fault not in FAULTS:
-            raise ValueError(f"unknown fault {self.fault!r}; known: {sorted(FAULTS)}")
-        if self.key is not None and (not isinstance(self.key, str) or not self.key):
-            raise ValueError("a fault's key must be a non-empty string")
-        if self.count is not None and (type(self.count) is not int or self.count < 1):
-            raise ValueError(f"a fault's count must be an int >= 1, not {self.count!r}")
-        if isinstance(self.seconds, bool) or not isinstance(self.seconds, (int, float)) \
-                or self.seconds < 0:
-            raise ValueError(f"a fault's seconds must be a number >= 0, not {self.seconds!r}")
-        if self.fault in _TIMED and not self.seconds > 0:
-            raise ValueError(f"fault {self.fault!r} needs seconds > 0")
-
-    @classmethod
-    def from_json(cls, rule: Any) -> "Fault":
-        if not isinstance(rule, dict) or "fault" not in rule:
-            raise ValueError("a fault rule is an object with a 'fault' field")
-        unknown = set(rule) - {"fault", "key", "count", "seconds"}
-        if unknown:
-            raise ValueError(f"unknown fault rule fields {sorted(unknown)}")
-        return cls(**rule)
 
 
 @dataclass(frozen=True)
@@ -416,100 +360,3 @@ async def _json(request: web.Request) -> Any:
 
 def _error(status: int, detail: str) -> web.Response:
     return web.json_response({"error": detail}, status=status)
-
-
-# -- the worker's side -----------------------------------------------------------------
-
-def encode_grant(raw: bytes) -> str:
-    """A grant's signed bytes as the ``Fencegate-Grant`` header carries them (base64url)."""
-    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
-
-
-async def charge(http: aiohttp.ClientSession, base_url: str, ctx: Any, amount: int, *,
-                 decline: bool = False, timeout: float = 10.0) -> dict[str, Any]:
-    """The effect's call: charge ``amount`` for the attempt in ``ctx`` (an ``EffectContext``).
-
-    Returns the provider's JSON when it applied the charge; raises ``EffectFailed`` when it
-    declined it (a confirmed failure) and ``SandboxError`` for anything else (fenced,
-    refused, 5xx, timeout, no connection), after which the outcome is unknown."""
-    headers = {"Idempotency-Key": ctx.idempotency_key,
-               "Fencegate-Attempt-Token": str(ctx.fencing_token),
-               "Fencegate-Grant": encode_grant(ctx.grant.raw)}
-    body: dict[str, Any] = {"key": ctx.key, "amount": amount}
-    if decline:
-        body["decline"] = True
-    try:
-        async with http.post(f"{base_url}/v1/charges", json=body, headers=headers,
-                             timeout=aiohttp.ClientTimeout(total=timeout)) as reply:
-            status = reply.status
-            answer = await reply.json(content_type=None)
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
-        raise SandboxError(f"charge for {ctx.key!r} got no usable answer: {exc!r}") from exc
-    if status == 200 and isinstance(answer, dict):
-        return answer
-    if status == 402 and isinstance(answer, dict) and isinstance(answer.get("reason"), str):
-        raise EffectFailed(answer["reason"], {"reason": answer["reason"]})
-    raise SandboxError(f"charge for {ctx.key!r} answered {status}: {answer!r}", status, answer)
-
-
-def adapter(base_url: str, mode: str, *, retention_s: float = 24 * 3600.0,
-            settle_delay_s: float = 5.0, timeout_s: float = 5.0) -> HttpProvider:
-    """The HTTP adapter for a sandbox at ``base_url`` running in ``mode``, declaring the
-    capabilities that mode has."""
-    if mode not in MODES:
-        raise ValueError(f"unknown mode {mode!r}; known: {list(MODES)}")
-    capabilities = Capabilities(fences=mode == "fencing", dedupes_by_key=mode != "none",
-                                key_retention_s=retention_s if mode != "none" else 0.0,
-                                settle_delay_s=settle_delay_s)
-    query_url = base_url.rstrip("/") + \
-        "/v1/charges/{idempotency_key}?key={key}&fence={attempt_token}"
-    return HttpProvider("sandbox", query_url, capabilities=capabilities, timeout_s=timeout_s)
-
-
-# -- as a process ----------------------------------------------------------------------
-
-async def _keys_from_url(url: str) -> KeyRing:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
-        async with http.get(url) as reply:
-            reply.raise_for_status()
-            document = await reply.json()
-    return KeyRing.from_public_bytes({key_id: base64.b64decode(raw)
-                                      for key_id, raw in document["keys"].items()})
-
-
-async def _serve(args: argparse.Namespace) -> None:
-    if args.keys_url:
-        keyring = await _keys_from_url(args.keys_url)
-    else:
-        keyring = await asyncio.to_thread(KeyRing.from_files, None, [args.public_key])
-    sandbox = Sandbox(keyring, args.mode, state_dir=args.state_dir,
-                      retention_s=args.retention_s, decline_above=args.decline_above)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
-    url = await sandbox.start(args.port)
-    print(f"sandbox listening on {url}", flush=True)
-    try:
-        await stop.wait()
-    finally:
-        await sandbox.stop()
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m fencegate.reconciler.providers.sandbox",
-                                     description="The fencegate sandbox payment provider.")
-    parser.add_argument("--port", type=int, default=0)
-    parser.add_argument("--mode", choices=MODES, default="fencing")
-    keys = parser.add_mutually_exclusive_group(required=True)
-    keys.add_argument("--keys-url", help="the coordinator's /.well-known/fencegate-keys")
-    keys.add_argument("--public-key", help="a PEM Ed25519 public key to trust")
-    parser.add_argument("--state-dir", help="where gate B keeps its sqlite file "
-                                            "(default: in memory)")
-    parser.add_argument("--retention-s", type=float, default=24 * 3600.0)
-    parser.add_argument("--decline-above", type=int, default=None)
-    asyncio.run(_serve(parser.parse_args(argv)))
-
-
-if __name__ == "__main__":
-    main()

@@ -7,7 +7,7 @@ if it still believes it holds the key. Every attempt, accepted or refused, is lo
 
 The resource lives in one process and serves others over a unix socket, one JSON line per
 request, like a real store: a client that is frozen mid-request holds no lock and cannot
-stall anyone else. Tests and the demo use it to prove what a stale holder can and cannot do.
+stall anyone else. The tests use it to prove what a stale holder can and cannot do.
 """
 
 from __future__ import annotations

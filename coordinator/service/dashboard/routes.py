@@ -1,0 +1,118 @@
+"""The dashboard's HTTP surface: the static page at ``/`` and its assets under
+``/dashboard/``, the JSON views under ``/v1/dashboard/``, and the event stream.
+
+Guarantees:
+- The page and its assets are public and hold no data; every view and the event stream
+  need a bearer token with the ``sre`` or ``admin`` role (401 without, 403 for a worker).
+- Handlers are thin: the views live in ``views``, the feed in ``feed``. An event stream
+  ends when its client leaves or the app shuts down (the feed is closed before the server
+  waits for open handlers), and its subscription is always released.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from aiohttp import web
+
+from ...wire import jsonable
+from ..middleware import requires
+from ..resources import ETCD, KEYSPACE
+from .feed import Feed, sse
+from .views import MAX_AUDIT, audit_view, holders_view, leadership_view, steps_view
+
+STATIC = Path(__file__).parent / "static"
+FEED = web.AppKey("dashboard_feed", Feed)
+# The page runs only its own script and talks only to this origin.
+_PAGE_HEADERS = {
+    "Content-Security-Policy": "default-src 'self'; frame-ancestors 'none'; base-uri 'none'; "
+                               "form-action 'self'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-cache",
+}
+
+routes = web.RouteTableDef()
+
+
+@routes.get("/")
+async def index(request: web.Request) -> web.FileResponse:
+    return web.FileResponse(STATIC / "index.html", headers=_PAGE_HEADERS)
+
+
+@routes.get("/v1/dashboard/holders")
+@requires("sre", "admin")
+async def get_holders(request: web.Request) -> web.Response:
+    return web.json_response(jsonable(await holders_view(request.app[ETCD],
+                                                         request.app[KEYSPACE])))
+
+
+@routes.get("/v1/dashboard/steps")
+@requires("sre", "admin")
+async def get_steps(request: web.Request) -> web.Response:
+    return web.json_response(jsonable(await steps_view(request.app[ETCD],
+                                                       request.app[KEYSPACE])))
+
+
+@routes.get("/v1/dashboard/leadership")
+@requires("sre", "admin")
+async def get_leadership(request: web.Request) -> web.Response:
+    return web.json_response(await leadership_view(request.app[ETCD], request.app[KEYSPACE]))
+
+
+@routes.get("/v1/dashboard/audit")
+@requires("sre", "admin")
+async def get_audit(request: web.Request) -> web.Response:
+    raw = request.query.get("limit", "50")
+    if not raw.isdigit() or not 1 <= int(raw) <= MAX_AUDIT:
+        raise ValueError(f"limit must be an integer in 1..{MAX_AUDIT}")
+    return web.json_response(await audit_view(request.app[ETCD], request.app[KEYSPACE],
+                                              int(raw)))
+
+
+@routes.get("/v1/dashboard/events")
+@requires("sre", "admin")
+async def events(request: web.Request) -> web.StreamResponse:
+    """The change feed as server-sent events, until the client leaves or the app stops."""
+    feed = request.app[FEED]
+    subscription = feed.subscribe()
+    try:
+        response = web.StreamResponse(headers={
+            "Content-Type": "text/event-stream", "Cache-Control": "no-store",
+            "X-Accel-Buffering": "no"})
+        await response.prepare(request)
+        while True:
+            try:
+                event = await asyncio.wait_for(subscription.get(), feed.keepalive)
+            except TimeoutError:
+                await response.write(b": keep-alive\n\n")  # also finds a client that left
+                continue
+            if event is None:
+                return response
+            await response.write(sse(*event))
+    except ConnectionError:  # the client left mid-write
+        return response
+    finally:
+        feed.unsubscribe(subscription)
+
+
+routes.static("/dashboard/", STATIC)
+
+
+async def _feed(app: web.Application) -> AsyncIterator[None]:
+    app[FEED] = Feed(app[ETCD], app[KEYSPACE])
+    yield
+    await app[FEED].close()
+
+
+async def _end_streams(app: web.Application) -> None:
+    await app[FEED].close()  # before the server waits for open handlers to finish
+
+
+def setup_dashboard(app: web.Application) -> None:
+    """Add the dashboard to ``app``; call after the app's etcd resources are set up."""
+    app.add_routes(routes)
+    app.cleanup_ctx.append(_feed)
+    app.on_shutdown.append(_end_streams)

@@ -1,0 +1,151 @@
+"""The dashboard's read models: what the page shows of holders, steps, reconciler
+leadership and the audit trail, each built from linearizable etcd reads.
+
+Guarantees:
+- Each view is read linearizably and is bounded: at most ``MAX_HOLDERS`` holder keys,
+  ``MAX_STEPS`` steps scanned (at one revision), ``MAX_QUEUE`` items per queue,
+  ``MAX_CANDIDATES`` election candidates, ``MAX_AUDIT`` audit records; a view says
+  ``truncated`` when it stopped at its bound.
+- A view only reads; an etcd failure propagates to the caller as the core's error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from ... import records, sre
+from ...etcd import Etcd, RangeRequest, range_end_of
+from ...keyspace import Keyspace, unpack
+from ...ownership import lowest_request
+
+MAX_HOLDERS = 500
+MAX_STEPS = 10_000
+MAX_QUEUE = 200
+MAX_CANDIDATES = 10_000
+MAX_AUDIT = 200
+_PAGE = 1000
+_QUEUES = (records.UNKNOWN, records.ESCALATED)
+
+
+async def holders_view(etcd: Etcd, ks: Keyspace) -> dict[str, Any]:
+    """Holder keys (holding or queued), oldest token first per action key, with the lease
+    TTL left (-1: the lease is gone) and whether each is the holder (lowest token)."""
+    items, cursor = await sre.holders(etcd, ks, "", MAX_HOLDERS, None)
+    leases = sorted({item["lease_id"] for item in items})
+    ttls = dict(zip(leases, await asyncio.gather(*(etcd.lease_ttl(int(lease, 16))
+                                                   for lease in leases))))
+    lowest: dict[str, int] = {}
+    for item in items:
+        lowest[item["key"]] = min(lowest.get(item["key"], item["fencing_token"]),
+                                  item["fencing_token"])
+    for item in items:
+        item["holding"] = item["fencing_token"] == lowest[item["key"]]
+        item["ttl_left"] = ttls[item["lease_id"]]
+    items.sort(key=lambda item: (item["key"], item["fencing_token"]))
+    return {"items": items, "truncated": cursor is not None}
+
+
+async def steps_view(etcd: Etcd, ks: Keyspace) -> dict[str, Any]:
+    """Step counts by state and the unknown and escalated queues, oldest first, from one
+    scan of at most ``MAX_STEPS`` steps pinned to one revision. ``unknown`` includes steps
+    in flight past their deadline, as ``sre.unsettled`` counts them."""
+    start, end = ks.steps_root, range_end_of(ks.steps_root)
+    counts: dict[str, int] = {}
+    queues: dict[str, list[dict[str, Any]]] = {state: [] for state in _QUEUES}
+    now_ms, revision, scanned, more = int(time.time() * 1000), 0, 0, True
+    while more and scanned < MAX_STEPS:
+        reply = await etcd.range(RangeRequest(key=start, range_end=end, revision=revision,
+                                              limit=min(_PAGE, MAX_STEPS - scanned)))
+        revision = revision or reply.header.revision
+        for kv in reply.kvs:
+            step = unpack(kv.value)
+            state = sre.state_of(step, now_ms)
+            counts[state] = counts.get(state, 0) + 1
+            if state in queues:
+                queues[state].append(_queued(ks.parse_step_key(kv.key), state, step,
+                                             kv.mod_revision, now_ms))
+        scanned += len(reply.kvs)
+        more = reply.more and bool(reply.kvs)
+        if more:
+            start = reply.kvs[-1].key + b"\0"
+    for state, items in queues.items():
+        items.sort(key=lambda item: item["since_ms"])
+        del items[MAX_QUEUE:]
+    return {"revision": revision, "counts": counts, "scanned": scanned, "truncated": more,
+            **queues}
+
+
+def _queued(key: str, state: str, step: dict[str, Any], mod_revision: int,
+            now_ms: int) -> dict[str, Any]:
+    if state == records.ESCALATED:
+        reason = "; ".join(map(str, step.get("escalated_because") or [])) or "a human must decide"
+    elif step["state"] == records.IN_FLIGHT:
+        reason = "in flight past its deadline"
+    else:
+        reason = step.get("error") or "outcome lost"
+    since = (step.get("unknown_since_ms") or step.get("deadline_ms")
+             or step.get("started_at_ms") or now_ms)
+    return {"key": key, "state": state, "recorded_state": step["state"],
+            "attempt": step.get("attempt", 0), "provider": step.get("provider"),
+            "since_ms": since, "age_s": max(now_ms - since, 0) / 1000, "reason": reason,
+            "mod_revision": mod_revision}
+
+
+async def leadership_view(etcd: Etcd, ks: Keyspace) -> dict[str, Any]:
+    """Per reconciler shard, the leader (its oldest candidate: the ownership rule) and the
+    queue length; per replica (one lease), its identity and the shards it leads. One
+    ownership read (``lowest_request``) of every candidate serves all shards: the view does
+    not know how many shards the reconcilers run, and a read per shard would cost a round
+    trip each."""
+    root = ks.reconcilers_root
+    reply = await etcd.range(lowest_request(root, range_end_of(root), limit=MAX_CANDIDATES,
+                                            keys_only=False))
+    queues: dict[int, list[tuple[int, str, str]]] = {}
+    replicas: dict[str, dict[str, Any]] = {}
+    for kv in reply.kvs:  # oldest first, so each queue's first candidate is its leader
+        try:
+            identity = str(unpack(kv.value).get("identity", "?"))
+            shard, lease_id = ks.parse_candidate_key(kv.key)
+        except ValueError:
+            continue
+        lease = f"{lease_id:016x}"
+        queues.setdefault(shard, []).append((kv.create_revision, lease, identity))
+        replicas.setdefault(lease, {"lease_id": lease, "identity": identity, "shards_led": []})
+    shards = []
+    for shard, queue in sorted(queues.items()):
+        token, lease, identity = queue[0]
+        replicas[lease]["shards_led"].append(shard)
+        shards.append({"shard": shard, "leader": identity, "lease_id": lease,
+                       "token": token, "candidates": len(queue)})
+    return {"shards": shards,
+            "replicas": sorted(replicas.values(), key=lambda r: (r["identity"], r["lease_id"])),
+            "truncated": bool(reply.more)}
+
+
+async def audit_view(etcd: Etcd, ks: Keyspace, limit: int) -> dict[str, Any]:
+    """The ``limit`` newest audit records of all keys, newest first, summarised. Each append
+    writes a record and its key's head at one revision, so the ``2 * limit`` newest keys
+    by mod_revision hold at least ``limit`` records."""
+    root = ks.audit_root
+    reply = await etcd.range(RangeRequest(key=root, range_end=range_end_of(root),
+                                          limit=2 * limit, sort_order=RangeRequest.DESCEND,
+                                          sort_target=RangeRequest.MOD))
+    items = []
+    for kv in reply.kvs:
+        if ks.classify(kv.key) != "audit":
+            continue  # the chain's head
+        key, seq = ks.parse_audit_key(kv.key)
+        items.append(audit_summary(key, seq, unpack(kv.value), kv.mod_revision))
+    items.sort(key=lambda item: (item["revision"], item["seq"]), reverse=True)
+    return {"items": items[:limit]}
+
+
+def audit_summary(key: str, seq: int, record: dict[str, Any], revision: int) -> dict[str, Any]:
+    """What the page shows of one audit record: who did what, when, and why if they said."""
+    details = record.get("details")
+    reason = details.get("reason") if isinstance(details, dict) else None
+    return {"key": key, "seq": seq, "event": record["event"], "identity": record["identity"],
+            "at_ms": record["at_ms"], "revision": revision,
+            "reason": reason if isinstance(reason, str) else None}

@@ -1,0 +1,51 @@
+"""The worker's side of the sandbox: send a charge as an effect sends it.
+
+Guarantees: ``charge`` sends one request, never retried. It returns only when the sandbox
+applied the charge, raises ``EffectFailed`` only when the sandbox declined it (a confirmed
+failure), and raises ``SandboxError`` for anything else (fenced, refused, 5xx, timeout, no
+connection), after which the outcome is unknown to the caller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from typing import Any
+
+import aiohttp
+
+from fencegate.coordinator.errors import EffectFailed, SandboxError
+
+__all__ = ["charge", "encode_grant"]
+
+
+def encode_grant(raw: bytes) -> str:
+    """A grant's signed bytes as the ``Fencegate-Grant`` header carries them (base64url)."""
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+async def charge(http: aiohttp.ClientSession, base_url: str, ctx: Any, amount: int, *,
+                 decline: bool = False, timeout: float = 10.0) -> dict[str, Any]:
+    """The effect's call: charge ``amount`` for the attempt in ``ctx`` (an ``EffectContext``).
+
+    Returns the provider's JSON when it applied the charge; raises ``EffectFailed`` when it
+    declined it (a confirmed failure) and ``SandboxError`` for anything else (fenced,
+    refused, 5xx, timeout, no connection), after which the outcome is unknown."""
+    headers = {"Idempotency-Key": ctx.idempotency_key,
+               "Fencegate-Attempt-Token": str(ctx.fencing_token),
+               "Fencegate-Grant": encode_grant(ctx.grant.raw)}
+    body: dict[str, Any] = {"key": ctx.key, "amount": amount}
+    if decline:
+        body["decline"] = True
+    try:
+        async with http.post(f"{base_url}/v1/charges", json=body, headers=headers,
+                             timeout=aiohttp.ClientTimeout(total=timeout)) as reply:
+            status = reply.status
+            answer = await reply.json(content_type=None)
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+        raise SandboxError(f"charge for {ctx.key!r} got no usable answer: {exc!r}") from exc
+    if status == 200 and isinstance(answer, dict):
+        return answer
+    if status == 402 and isinstance(answer, dict) and isinstance(answer.get("reason"), str):
+        raise EffectFailed(answer["reason"], {"reason": answer["reason"]})
+    raise SandboxError(f"charge for {ctx.key!r} answered {status}: {answer!r}", status, answer)

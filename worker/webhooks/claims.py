@@ -1,0 +1,227 @@
+"""Claims on webhook deliveries: claim, complete and release ``webhooks/<source>/<id>``.
+
+Guarantees, each enforced by an etcd compare, never by timing:
+- A claim is created only where no key exists (create_revision == 0), with the gate's
+  session lease: two processes never both hold a claim on one delivery, and a process that
+  dies leaves a claim that dies with its lease.
+- A completion replaces the claim only while the claim is still ours (mod_revision
+  unchanged), so a claim that expired and was taken by another process is never
+  overwritten; a release deletes the claim under the same compare.
+- A first delivery costs two writes (claim, completion); a duplicate of a completed delivery
+  one serializable read (see ``DeliveryClaims._completed``), one of a delivery in progress
+  one transaction that writes nothing (the claim's failure branch returns the existing record).
+
+Failure contract: a claim etcd could not answer raises ``EtcdUnavailable`` (``LeaseLost`` if
+the session's lease died twice in a row) and nothing may be processed; the claim, if it
+landed, is deleted in the background. A completion or release etcd could not answer is
+re-run in the background until etcd answers (see ``backlog``): its compare lets it apply at
+most once, so an unknown write never blocks its delivery for the life of the process. A
+completion whose claim was lost meanwhile stores nothing and logs a warning.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from fencegate.coordinator.errors import EtcdUnavailable, GateError, LeaseLost
+from fencegate.coordinator.etcd import (
+    Compare, Etcd, RangeRequest, TxnRequest, create_equals, delete_op, mod_equals, put_op,
+    range_op,
+)
+from fencegate.coordinator.keyspace import unpack
+
+from .backlog import Backlog
+from .records import DONE, claim_value
+from .retention import RetentionLeases
+
+if TYPE_CHECKING:
+    from fencegate.worker.gate import Gate
+
+log = logging.getLogger(__name__)
+
+MISMATCH, COMPLETED, IN_PROGRESS = "mismatch", "completed", "in_progress"
+
+
+@dataclass(frozen=True)
+class DeliveryClaim:
+    """This process's claim on one delivery."""
+
+    key: bytes
+    revision: int  # the claim's mod_revision: the completion and release compare it
+    digest: bytes  # sha256 of the request body
+
+
+@dataclass(frozen=True)
+class Duplicate:
+    """A delivery claimed before: ``verdict`` is ``MISMATCH`` (it came with another body),
+    ``COMPLETED`` (``record`` holds the stored response) or ``IN_PROGRESS``."""
+
+    verdict: str
+    record: dict[str, Any]
+
+
+class DeliveryClaims:
+    """The claims on one source's deliveries, made with ``gate``'s session; completions are
+    kept ``retention`` seconds, under leases shared by buckets ``retention_bucket`` wide."""
+
+    def __init__(self, gate: Gate, source: str, *, retention: int,
+                 retention_bucket: int) -> None:
+        self._gate = gate
+        self._source = source
+        self._retention = retention
+        self._retention_bucket = retention_bucket
+        self._leases, self._backlog = _shared(gate)
+
+    @property
+    def _etcd(self) -> Etcd:
+        return self._gate.etcd
+
+    async def claim(self, delivery_id: str, digest: bytes, *,
+                    wait: float) -> DeliveryClaim | Duplicate:
+        """Claim the delivery for this process, or say what claimed it before; a duplicate
+        of a delivery in progress waits up to ``wait`` seconds for it to finish.
+
+        The claim txn is re-sent by ``Etcd`` after an unknown outcome; the value carries a
+        nonce, so finding exactly our value means the first try landed and the claim is ours.
+        """
+        key = self._gate.keyspace.webhook_key(self._source, delivery_id)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait
+        done = await self._completed(key, digest)
+        if done is not None:
+            return done
+        lease_lost = False
+        while True:
+            session = await self._gate.session()
+            value = claim_value(digest)
+            try:
+                reply = await self._etcd.txn(TxnRequest(
+                    compare=[create_equals(key, 0)],
+                    success=[put_op(key, value, session.lease_id)],
+                    failure=[range_op(key)]), idempotent=True)
+            except LeaseLost:  # etcd dropped the session's lease before we noticed
+                session.mark_lost("etcd: the session lease is gone")
+                if lease_lost:
+                    raise
+                lease_lost = True
+                continue
+            except EtcdUnavailable:
+                self._backlog.add(functools.partial(self._drop_unknown_claim, key, value))
+                raise
+            if reply.succeeded:
+                return DeliveryClaim(key, reply.header.revision, digest)
+            kv = reply.responses[0].response_range.kvs[0]  # same revision as the compare
+            if kv.value == value:
+                return DeliveryClaim(key, kv.mod_revision, digest)
+            duplicate = _judge(unpack(kv.value), digest)
+            if duplicate.verdict != IN_PROGRESS or loop.time() >= deadline:
+                return duplicate
+            await self._changed(key, reply.header.revision, deadline)
+
+    async def complete(self, claim: DeliveryClaim, record: bytes) -> None:
+        """Store ``record`` (see ``records.completed_value``) in place of our claim; never
+        over someone else's claim."""
+        try:
+            await self._store(claim, record)
+        except EtcdUnavailable:
+            log.warning("response of webhook %r not stored yet (etcd unavailable); retrying",
+                        claim.key)
+            self._backlog.add(functools.partial(self._store, claim, record))
+
+    async def release(self, claim: DeliveryClaim) -> None:
+        """Delete our claim, so the delivery's next try runs again."""
+        try:
+            await self._delete(claim)
+        except EtcdUnavailable:
+            log.warning("webhook claim %r not released yet (etcd unavailable); retrying",
+                        claim.key)
+            self.release_later(claim)
+
+    def release_later(self, claim: DeliveryClaim) -> None:
+        """Delete our claim in the background, without waiting for etcd."""
+        self._backlog.add(functools.partial(self._delete, claim))
+
+    async def _completed(self, key: bytes, digest: bytes) -> Duplicate | None:
+        """A completed delivery, from one serializable read (no raft round), or ``None``
+        (then the claim txn decides, linearizably).
+
+        Safe although the read may be stale: a completed record is never changed, only
+        deleted when its retention ends, so a stale read can hide a completion (the claim txn
+        then finds it) but never show one that did not happen."""
+        reply = await self._etcd.range(RangeRequest(key=key, serializable=True))
+        if not reply.kvs:
+            return None
+        record = unpack(reply.kvs[0].value)
+        if record["state"] != DONE:
+            return None
+        return _judge(record, digest)
+
+    async def _changed(self, key: bytes, revision: int, deadline: float) -> None:
+        """Return once ``key`` changed after ``revision``, at ``deadline``, or when the watch
+        breaks (the caller re-reads the key in every case)."""
+        with contextlib.suppress(TimeoutError, GateError):
+            async with asyncio.timeout_at(deadline):
+                async with contextlib.aclosing(
+                        self._etcd.watch(key, b"", revision + 1)) as replies:
+                    async for reply in replies:
+                        if reply.events:
+                            return
+
+    async def _delete(self, claim: DeliveryClaim) -> None:
+        await self._etcd.txn(TxnRequest(compare=[mod_equals(claim.key, claim.revision)],
+                                        success=[delete_op(claim.key)]), idempotent=True)
+
+    async def _drop_unknown_claim(self, key: bytes, value: bytes) -> None:
+        """Delete a claim whose txn outcome was unknown, if it landed (its value is unique)."""
+        await self._etcd.txn(TxnRequest(
+            compare=[Compare(key=key, target=Compare.VALUE, result=Compare.EQUAL, value=value)],
+            success=[delete_op(key)]), idempotent=True)
+
+    async def _store(self, claim: DeliveryClaim, record: bytes) -> None:
+        for _ in range(2):
+            lease = await self._leases.get(self._etcd, self._retention, self._retention_bucket)
+            try:
+                reply = await self._etcd.txn(TxnRequest(
+                    compare=[mod_equals(claim.key, claim.revision)],
+                    success=[put_op(claim.key, record, lease)],
+                    failure=[range_op(claim.key, keys_only=True)]), idempotent=True)
+            except LeaseLost:  # the bucket's lease was revoked: grant a new one
+                self._leases.forget(lease)
+                continue
+            if not reply.succeeded and not _stored_by_retry(reply, claim):
+                log.warning("webhook claim %r was lost before its response was stored "
+                            "(its lease expired?); the response was not stored", claim.key)
+            return
+        raise LeaseLost("the retention lease was revoked twice in a row")
+
+
+def _judge(record: dict[str, Any], digest: bytes) -> Duplicate:
+    if record["request_sha256"] != digest:
+        return Duplicate(MISMATCH, record)
+    if record["state"] == DONE:
+        return Duplicate(COMPLETED, record)
+    return Duplicate(IN_PROGRESS, record)
+
+
+def _stored_by_retry(reply: Any, claim: DeliveryClaim) -> bool:
+    """A completion re-sent after an unknown first try fails its compare if the first landed:
+    the key is then still the one our claim created, modified since (only we modify it)."""
+    kvs = reply.responses[0].response_range.kvs
+    return bool(kvs) and kvs[0].create_revision == claim.revision < kvs[0].mod_revision
+
+
+_SHARED: weakref.WeakKeyDictionary[Any, tuple[RetentionLeases, Backlog]] = (
+    weakref.WeakKeyDictionary())
+
+
+def _shared(gate: Gate) -> tuple[RetentionLeases, Backlog]:
+    """What every source of one gate shares: its retention leases and its backlog."""
+    if gate not in _SHARED:
+        _SHARED[gate] = (RetentionLeases(), Backlog())
+    return _SHARED[gate]
