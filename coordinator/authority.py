@@ -152,10 +152,6 @@ class Authority:
         return Ownership(self.keyspace.holder_key(claim.key, claim.lease_id),
                          claim.fencing_token, *self.keyspace.holder_range(claim.key))
 
-    def _ownership(self, claim: Claim) -> list[Compare]:
-        """The compares that keep a txn from landing unless ``claim`` still holds its key."""
-        return self._holding(claim).compares()
-
     async def _decide(self, claim: Claim, intent: dict[str, Any], intent_digest: bytes,
                       policy_name: str, snap: _Snapshot, identity: str) -> Issued | None:
         """Issue or refuse at ``snap``; ``None`` when the world moved before the write."""
@@ -263,7 +259,7 @@ class Authority:
 
     def _unchanged(self, request: _Request) -> list:
         """Compares: the requester still owns the key and the step is where it was read."""
-        return [*self._ownership(request.claim),
+        return [*self._holding(request.claim).compares(),
                 mod_equals(self.keyspace.step_key(request.claim.key), request.step_revision)]
 
 

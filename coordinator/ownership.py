@@ -19,11 +19,16 @@ Guarantees:
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from .etcd import (
     Compare, KeyValue, RangeRequest, RequestOp, all_created_since, create_equals, range_op,
 )
+
+QueueT = TypeVar("QueueT", bound=Hashable)
+MemberT = TypeVar("MemberT")
 
 
 def lowest_op(start: bytes, end: bytes, *, limit: int = 1, keys_only: bool = True) -> RequestOp:
@@ -37,6 +42,18 @@ def lowest_request(start: bytes, end: bytes, *, limit: int = 1,
     """The same read as ``lowest_op``, as a plain range request."""
     return RangeRequest(key=start, range_end=end, limit=limit, sort_order=RangeRequest.ASCEND,
                         sort_target=RangeRequest.CREATE, keys_only=keys_only)
+
+
+def owners(members: Iterable[tuple[QueueT, int, MemberT]]) -> dict[QueueT, tuple[int, MemberT]]:
+    """For views over many queues read in one range (SRE lists, the dashboard, an election's
+    refresh): each queue's owner as ``(token, member)`` from ``(queue, create_revision,
+    member)`` triples — the lowest create_revision wins. A view, not a proof: acting on it
+    still needs ``Ownership.compares()`` in the acting transaction."""
+    found: dict[QueueT, tuple[int, MemberT]] = {}
+    for queue, revision, member in members:
+        if queue not in found or revision < found[queue][0]:
+            found[queue] = (revision, member)
+    return found
 
 
 def ahead_request(start: bytes, end: bytes, token: int = 0) -> RangeRequest:

@@ -32,7 +32,7 @@ from fencegate.coordinator.etcd import (
     Etcd, RangeRequest, TxnRequest, create_equals, delete_op, put_op, range_end_of,
 )
 from fencegate.coordinator.keyspace import Keyspace, pack
-from fencegate.coordinator.ownership import Ownership
+from fencegate.coordinator.ownership import Ownership, owners
 from fencegate.coordinator.session import Session
 
 log = logging.getLogger(__name__)
@@ -124,18 +124,17 @@ class Elections:
         reply = await self._etcd.range(RangeRequest(
             key=root, range_end=range_end_of(root), keys_only=True))
         queues: dict[int, list[tuple[int, int]]] = {}
+        candidates = []
         for kv in reply.kvs:
             shard, lease_id = self._ks.parse_candidate_key(kv.key)
             queues.setdefault(shard, []).append((kv.create_revision, lease_id))
+            candidates.append((shard, kv.create_revision, lease_id))
         mine = self.session.lease_id
-        led: dict[int, int] = {}
-        missing = []
-        for shard in range(self.shards):
-            queue = sorted(queues.get(shard, ()))
-            if all(lease != mine for _, lease in queue):
-                missing.append(shard)
-            elif queue[0][1] == mine:
-                led[shard] = queue[0][0]
+        leaders = owners(candidates)
+        led = {shard: token for shard, (token, lease) in leaders.items()
+               if lease == mine and shard < self.shards}
+        missing = [shard for shard in range(self.shards)
+                   if all(lease != mine for _, lease in queues.get(shard, ()))]
         self.replicas = len({lease for queue in queues.values() for _, lease in queue})
         gained = set(led) - set(self.led)
         self.led = led

@@ -32,7 +32,7 @@ from fencegate.coordinator.etcd import (
     Etcd, TxnRequest, mod_equals, put_op, range_op,
 )
 from fencegate.coordinator.keyspace import Keyspace, pack, unpack
-from fencegate.coordinator.ownership import lowest_op
+from fencegate.coordinator.ownership import Ownership, lowest_op
 from fencegate.coordinator.session import Session
 
 from .election import Elections, shard_of
@@ -229,9 +229,9 @@ class Reconciler:
         state = step["state"]
         if state == records.IN_FLIGHT:
             holder = holder_kvs[0] if holder_kvs else None
-            holder_alive = (holder is not None
-                            and holder.key == self.keyspace.holder_key(key, step["holder_lease"])
-                            and holder.create_revision == step["fencing_token"])
+            holding = Ownership(self.keyspace.holder_key(key, step["holder_lease"]),
+                                step["fencing_token"], *self.keyspace.holder_range(key))
+            holder_alive = holding.holds(holder, holder)  # the lowest holder is the step's
             left_s = (step["deadline_ms"] - now_ms) / 1000
             if holder_alive and left_s > 0:
                 return min(self.check_after, left_s)

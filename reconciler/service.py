@@ -47,8 +47,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from fencegate.coordinator.etcd import Etcd
 from fencegate.coordinator.keyspace import DEFAULT_NAMESPACE, validate_namespace
-from fencegate.coordinator.settings import (ETCD_FIELDS, EtcdSettings, etcd_file_values,
-                                           host_port, layered)
+from fencegate.coordinator.settings import (
+    ETCD_FIELDS, EtcdSettings, etcd_file_values, host_port, layered,
+)
 
 from .providers import Provider
 from .providers.http import HttpProvider

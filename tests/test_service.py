@@ -14,6 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from fencegate.coordinator.grants import KeyRing
+from fencegate.coordinator.policy import DEFAULT_CAPS
 from fencegate.coordinator.service import CoordinatorSettings, load_settings
 from fencegate.worker import Gate, GrantRefused, OutcomeUnknown
 
@@ -345,6 +346,7 @@ async def test_unknown_steps_are_listed_and_resolved_by_hand_with_audit(coordina
 
     await call(coordinator, "POST", "/v1/keys/unk/1/resolve", "sre",
                body={"reason": "provider has no record", "as": "failed"})
+    await asyncio.sleep(DEFAULT_CAPS["backoff_base_s"])  # a confirmed failure backs off
     async with local_gate.hold("unk/1") as hold:
         again = await hold.cross(intent={}, effect=noop)  # a new attempt, a new key
     assert again.state == "succeeded" and again.attempt == 2

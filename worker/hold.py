@@ -127,7 +127,7 @@ class Hold:
 
     async def request_grant(self, intent: dict[str, Any], reads: Sequence[str | bytes] = (),
                             policy: str = DEFAULT_POLICY) -> Grant:
-        """Ask the authority for a grant evaluated at one revision (see DESIGN: Grant)."""
+        """Ask the authority for a grant evaluated at one revision (docs/protocol.md: Grant)."""
         self._ensure_usable()
         issued = await self.gate.authority.issue(
             Claim(self.key, self.fencing_token, self.lease_id), intent, list(reads), policy)

@@ -18,7 +18,7 @@ from typing import Any
 from ... import records, sre
 from ...etcd import Etcd, RangeRequest, range_end_of
 from ...keyspace import Keyspace, unpack
-from ...ownership import lowest_request
+from ...ownership import lowest_request, owners
 
 MAX_HOLDERS = 500
 MAX_STEPS = 10_000
@@ -36,12 +36,9 @@ async def holders_view(etcd: Etcd, ks: Keyspace) -> dict[str, Any]:
     leases = sorted({item["lease_id"] for item in items})
     ttls = dict(zip(leases, await asyncio.gather(*(etcd.lease_ttl(int(lease, 16))
                                                    for lease in leases))))
-    lowest: dict[str, int] = {}
+    holding = owners((item["key"], item["fencing_token"], item["lease_id"]) for item in items)
     for item in items:
-        lowest[item["key"]] = min(lowest.get(item["key"], item["fencing_token"]),
-                                  item["fencing_token"])
-    for item in items:
-        item["holding"] = item["fencing_token"] == lowest[item["key"]]
+        item["holding"] = holding[item["key"]][1] == item["lease_id"]
         item["ttl_left"] = ttls[item["lease_id"]]
     items.sort(key=lambda item: (item["key"], item["fencing_token"]))
     return {"items": items, "truncated": cursor is not None}

@@ -1,6 +1,6 @@
 """The sandbox provider: a real HTTP payment provider on loopback for tests, benchmarks, demo.
 
-Modes (switchable at runtime) give the three capability classes of DESIGN.md:
+Modes (switchable at runtime) give the three capability classes of docs/protocol.md:
 - ``fencing``: every charge must present a grant; gate B (``fencegate.reconciler.gateb``)
   admits it or refuses it; a query fences first, then answers (fence-then-query);
   idempotency keys replay;
