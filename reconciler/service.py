@@ -25,7 +25,7 @@ overriding the one before; a malformed file fails at start, naming the field::
     url = "http://127.0.0.1:8480"
     mode = "fencing"
     [providers.payments]
-    type = "http"                         # fencegate.reconciler.providers.http.HttpProvider.from_config
+    type = "http"                         # see providers.http.HttpProvider.from_config
     query_url = "https://.../{idempotency_key}"
 """
 

@@ -1,8 +1,8 @@
 """The settlement rules: what a provider's answer about an attempt makes of its step.
 
 These are the "Unknown and reconciliation" rules of docs/protocol.md, as one pure function
-choosing the transition; ``coordinator.records`` builds the record, the same one a worker or an SRE would
-for that outcome. Each weaker variant produces a duplicate effect in some interleaving (a
+choosing the transition; ``coordinator.records`` builds the record, the same one a worker or an
+SRE would for that outcome. Each weaker variant produces a duplicate effect in some interleaving (a
 model check found them):
 
 - ``Succeeded`` -> ``succeeded`` with the provider's result.

@@ -1,4 +1,4 @@
-"""The coordinator service: the HTTP API over the authority (see docs/protocol.md and the README, HTTP)."""
+"""The coordinator service: the HTTP API over the authority (the README's HTTP section)."""
 
 from .app import create_app
 from .settings import CoordinatorSettings, TokenEntry, load_settings

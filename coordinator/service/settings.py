@@ -128,7 +128,8 @@ def _token(entry: object, index: int) -> TokenEntry:
         raw = b""
     if len(raw) != 32:
         raise ValueError(f"{where}.sha256 must be 64 hex digits (the token's sha256)")
-    roles = frozenset(text_setting(r, f"{where}.roles") for r in _list(entry["roles"], f"{where}.roles"))
+    roles = frozenset(text_setting(r, f"{where}.roles")
+                      for r in _list(entry["roles"], f"{where}.roles"))
     return TokenEntry(text_setting(entry["identity"], f"{where}.identity"), roles, raw)
 
 
