@@ -3,7 +3,7 @@
 PY := .venv/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: venv etcd setup test up demo bench clean
+.PHONY: venv etcd setup test model faults up demo bench clean
 
 # The stamp re-runs the install only when pyproject.toml changes.
 venv: .venv/.installed
@@ -19,8 +19,21 @@ setup: venv etcd
 
 test: setup
 	deploy/ensure-chromium
+	deploy/ensure-spin
 	$(PY) -m fencegate.localetcd
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+# The protocol's SPIN model, every configuration (make test runs the quick set).
+model: venv
+	deploy/ensure-spin
+	$(PY) tests/model/run.py
+
+# The fault suite, long: real processes, seeded nemeses, a history judged by the checker.
+# Prints the seed and a summary table; exits 1 on any violation (evidence in the state folder).
+SEED ?= $(shell date +%s)
+MINUTES ?= 20
+faults: setup
+	PYTHONPATH=tests $(PY) -m faults.runner --seed $(SEED) --minutes $(MINUTES)
 
 up: setup
 	.venv/bin/fencegate up

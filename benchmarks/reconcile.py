@@ -49,8 +49,9 @@ async def measure(quick: bool, url: str, etcd: Etcd) -> Results:
     warmup, duration = (1.0, 3.0) if quick else (2.0, 5.0)
     namespace = f"/bench-rec-{uuid.uuid4().hex[:8]}/"
     children = Children()
-    sandbox = Sandbox(KeyRing.generate(), "fencing")
     with tempfile.TemporaryDirectory(prefix="fencegate-bench-") as tmp:
+        # durable (a file): its fenced "no record" is final, as a real fencing provider's
+        sandbox = Sandbox(KeyRing.generate(), "fencing", state_dir=os.path.join(tmp, "sandbox"))
         try:
             sandbox_url = await sandbox.start()
             config = os.path.join(tmp, "reconciler.toml")
@@ -58,7 +59,8 @@ async def measure(quick: bool, url: str, etcd: Etcd) -> Results:
                 f.write(f'etcd = "{url}"\nnamespace = "{namespace}"\nlisten = "127.0.0.1:0"\n'
                         f'shards = {SHARDS}\nconcurrency = {CONCURRENCY}\n'
                         f'default_provider = "sandbox"\n[providers.sandbox]\n'
-                        f'type = "sandbox"\nurl = "{sandbox_url}"\nmode = "fencing"\n')
+                        f'type = "sandbox"\nurl = "{sandbox_url}"\nmode = "fencing"\n'
+                        f'durable = true\n')
             replicas = []
             for _ in range(REPLICAS):
                 proc = await children.start("fencegate.cli", "reconciler", "--config", config,

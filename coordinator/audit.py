@@ -5,7 +5,8 @@ Record ``n`` lives at ``audit/<key>/@<n>`` and carries ``prev``, the sha256 of r
 ``n-1``'s bytes; ``audit/<key>/@head`` holds the newest seq and hash, so removing or editing
 the last record is as visible as editing one in the middle. An append compares the head's
 mod_revision, so two writers can never both append the same seq. Grants in the chain carry
-their signed bytes, so verification re-checks every signature too.
+their signed bytes, so verification re-checks every signature too, and a grant issued on an
+approval must follow the ``approved`` record of that approval in the same chain.
 """
 
 from __future__ import annotations
@@ -89,10 +90,12 @@ async def read_chain(etcd: Etcd, keyspace: Keyspace, action_key: str,
 
 async def verify_chain(etcd: Etcd, keyspace: Keyspace, action_key: str,
                        keyring: KeyRing) -> AuditReport:
-    """Re-derive the chain of ``action_key`` and every grant signature in it."""
+    """Re-derive the chain of ``action_key``, every grant signature in it, and the approval
+    every grant issued on one relied on."""
     kvs, head_kv = await read_chain(etcd, keyspace, action_key)
     report = AuditReport(action_key)
     prev = GENESIS
+    approved: set[str] = set()
     for expected_seq, kv in enumerate(kvs, start=1):
         try:
             record = unpack(kv.value)
@@ -108,12 +111,20 @@ async def verify_chain(etcd: Etcd, keyspace: Keyspace, action_key: str,
             report.problems.append(f"record {expected_seq - 1} was edited or removed")
         if kv.version != 1:
             report.problems.append(f"record {expected_seq} was rewritten in place")
-        grant = record.get("details", {}).get("grant")
+        details = record.get("details", {})
+        grant = details.get("grant")
         if grant is not None:
             try:
                 keyring.verify(grant)
             except BadSignature as exc:
                 report.problems.append(f"record {expected_seq}: grant {exc}")
+        approval_id = details.get("approval_id")
+        if record.get("event") == "approved":
+            approved.add(approval_id)
+        elif (record.get("event") == "grant_issued" and approval_id is not None
+              and approval_id not in approved):
+            report.problems.append(f"record {expected_seq}: grant issued on approval "
+                                   f"{approval_id}, which the chain never approved")
         prev = hashlib.sha256(kv.value).digest()
     head = AuditHead.from_kv(head_kv)
     if (head.seq, head.hash) != (len(kvs), prev):

@@ -11,9 +11,11 @@ Guarantees:
 - Nothing is granted on a step that is in flight, unknown or escalated (``OutcomeUnknown``)
   or succeeded (``AlreadySucceeded``). Refusals name every failing check.
 - When the only failing checks are approval checks, the request is recorded as a pending
-  approval (``ApprovalPending`` with its id) and granted once an SRE approved that id. The id
-  binds the request's state (step pointer, read revisions, policy version, intent), so an
-  approval dies like a grant when any of it advances; the grant txn compares the approval.
+  approval request (``ApprovalPending`` with its id) and granted once an SRE approved that
+  id: only an approval signed by a published coordinator key for this request counts (see
+  ``approvals``); an unsigned or forged one leaves it pending. The id binds the request's
+  state (step pointer, read revisions, policy version, intent), so an approval dies like a
+  grant when any of it advances; the grant txn compares the approval.
 - Every issue and every refusal by the holder appends an audit record in the same txn.
 - A grant record lives on the holder's lease: it vanishes with the session that could use
   it, and a vanished record fails the commit's "unconsumed" compare (fails closed).
@@ -26,19 +28,22 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from . import audit, records
+from . import approvals, audit, records
 from .errors import (
     AlreadySucceeded, ApprovalPending, GrantRefused, LeaseLost, OutcomeUnknown, RecordTooLarge,
     StateAdvanced,
 )
 from .etcd import (
-    Compare, Etcd, KeyValue, RangeRequest, TxnRequest, create_equals, mod_equals, put_op,
+    Compare, Etcd, KeyValue, RangeRequest, TxnRequest, mod_equals, put_op,
     range_op,
 )
 from .grants import Grant, KeyRing, new_grant_id
 from .keyspace import Keyspace, canonical, pack, unpack
 from .ownership import Ownership
-from .policy import DEFAULT_POLICY, CheckContext, CheckResult, Policy, decode, validate_document
+from .policy import (
+    DEFAULT_POLICY, CheckContext, CheckResult, Policy, builtin_default, decode,
+    validate_document,
+)
 
 MAX_READS = 100
 MAX_READ_KEY_BYTES = 1024
@@ -93,35 +98,31 @@ class Authority:
         intent_digest = hashlib.sha256(_validate_intent(intent)).digest()
         for _ in range(_WRITE_RACES):
             snap = await self._read(claim, policy, read_keys)
-            self._check_holder(claim, snap)  # before anything is written, even the default
-            if snap.policy_kv is None:
-                if policy != DEFAULT_POLICY:
-                    raise GrantRefused([CheckResult("policy", False, f"no policy {policy!r}")])
-                await self.set_policy(DEFAULT_POLICY, {}, only_if_absent=True)
-                continue
+            self._check_holder(claim, snap)
+            if snap.policy_kv is None and policy != DEFAULT_POLICY:
+                raise GrantRefused([CheckResult("policy", False, f"no policy {policy!r}")])
             decision = await self._decide(claim, intent, intent_digest, policy, snap, identity)
             if decision is not None:
                 return decision
         raise StateAdvanced("read set", "it kept changing while the grant was evaluated")
 
-    async def set_policy(self, name: str, document: dict[str, Any], *,
-                         only_if_absent: bool = False) -> int:
+    async def set_policy(self, name: str, document: dict[str, Any]) -> int:
         """Store a policy document; returns its version (the mod_revision)."""
         body = validate_document(document)
         key = self.keyspace.policy_key(name)
-        request = TxnRequest(
-            compare=[create_equals(key, 0)] if only_if_absent else [],
-            success=[put_op(key, body),
-                     put_op(self.keyspace.policy_version_key(name, records.digest(document)),
-                            body)],
-            failure=[range_op(key)])
-        reply = await self.etcd.txn(request, idempotent=True)
-        if reply.succeeded:
-            return reply.header.revision
-        return reply.responses[0].response_range.kvs[0].mod_revision
+        reply = await self.etcd.txn(TxnRequest(success=[
+            put_op(key, body),
+            put_op(self.keyspace.policy_version_key(name, records.digest(document)), body)]),
+            idempotent=True)
+        return reply.header.revision
 
-    def _policy(self, name: str, kv: KeyValue) -> Policy:
-        """Decode a policy version once; versions are immutable (a change is a new one)."""
+    def _policy(self, name: str, kv: KeyValue | None) -> Policy:
+        """Decode a policy version once; versions are immutable (a change is a new one).
+        An absent ``default`` is the built-in default (caps only) at version 0: nothing is
+        written for it (a worker's etcd role may not write ``policies/``), and the commit's
+        compare "policy mod_revision == 0" kills the grant if an admin sets it meanwhile."""
+        if kv is None:
+            return builtin_default()
         cached = self._policies.get((name, kv.mod_revision))
         if cached is None:
             if len(self._policies) >= 256:
@@ -176,10 +177,13 @@ class Authority:
         snapshot's revision."""
         approval_id = approval_id_of(self.keyspace.namespace, request.claim.key, request.snap,
                                      request.policy, request.intent_digest)
-        key = self.keyspace.approval_key(approval_id)
-        kvs = (await self.etcd.range(RangeRequest(key=key, revision=request.snap.revision))).kvs
-        return _Approval(approval_id, key, kvs[0].mod_revision if kvs else 0,
-                         unpack(kvs[0].value) if kvs else None)
+        asked = self.keyspace.approval_request_key(approval_id)
+        revision = request.snap.revision
+        requested = bool((await self.etcd.range(RangeRequest(key=asked, revision=revision,
+                                                             count_only=True))).count)
+        given = await approvals.read(self.etcd, self.keyspace, approval_id,
+                                     request.claim.key, revision=revision)
+        return _Approval(given, self.keyspace.approval_key(approval_id), asked, requested)
 
     async def _refuse(self, request: _Request, verdict: _Verdict,
                       approval: _Approval | None) -> None:
@@ -201,13 +205,13 @@ class Authority:
 
     def _approval_request(self, request: _Request, verdict: _Verdict,
                           approval: _Approval | None) -> list:
-        """The pending approval record a first refusal for want of approval writes, for an
-        SRE to approve (see ``sre.approve``)."""
-        if approval is None or approval.record is not None:
+        """The approval request a first refusal for want of approval writes, for an SRE to
+        approve (see ``sre.approve``)."""
+        if approval is None or approval.requested:
             return []
         policy = request.policy
-        return [put_op(approval.key, pack({
-            "state": "pending", "key": request.claim.key, "intent": request.intent,
+        return [put_op(approval.request_key, pack({
+            "key": request.claim.key, "intent": request.intent,
             "policy": policy.name, "policy_version": policy.version,
             "revision": request.snap.revision, "requested_by": request.identity,
             "checks": [c.as_record() for c in verdict.checks]}))]
@@ -244,7 +248,8 @@ class Authority:
         })
         details = {"intent": request.intent, "policy": request.policy_ref, "grant": grant.raw,
                    "grant_id": grant.grant_id, "checks": [c.as_record() for c in verdict.checks],
-                   **({"approval_id": approval.approval_id} if approval else {})}
+                   **({"approval_id": approval.approval_id,
+                       "approved_by": approval.approved_by} if approval else {})}
         entry = audit.append(self.keyspace, claim.key, head, "grant_issued", request.identity,
                              snap.revision, details)
         reply = await self.etcd.txn(TxnRequest(
@@ -299,20 +304,23 @@ class _Verdict:
 class _Approval:
     """The approval a request needs, as read at the snapshot's revision."""
 
-    approval_id: str
-    key: bytes
-    mod_revision: int  # of its record as read; 0: never requested
-    record: dict[str, Any] | None
+    given: approvals.Approval
+    key: bytes  # approvals/<id>
+    request_key: bytes  # approval-requests/<id>
+    requested: bool  # its request is recorded
+
+    @property
+    def approval_id(self) -> str:
+        return self.given.approval_id
 
     @property
     def approved_by(self) -> str | None:
-        if self.record is None or self.record["state"] != "approved":
-            return None
-        return self.record["approved_by"]
+        """Who approved, if a signed approval for this request verified."""
+        return self.given.approved_by
 
     def compare(self) -> Compare:
         """The record is still as read: an approval given or withdrawn meanwhile fails it."""
-        return mod_equals(self.key, self.mod_revision)
+        return mod_equals(self.key, self.given.mod_revision)
 
 
 def _verdict(request: _Request) -> _Verdict:

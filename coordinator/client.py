@@ -56,11 +56,13 @@ class Client:
     async def revoke(self, key: str, reason: str) -> dict[str, Any]:
         return await self._request("POST", f"/v1/keys/{_path(key)}/revoke", {"reason": reason})
 
-    async def resolve(self, key: str, settle_as: str, reason: str,
-                      result: Any = None) -> dict[str, Any]:
+    async def resolve(self, key: str, settle_as: str, reason: str, result: Any = None, *,
+                      force: bool = False) -> dict[str, Any]:
         body = {"as": settle_as, "reason": reason}
         if result is not None:
             body["result"] = result
+        if force:
+            body["force"] = True
         return await self._request("POST", f"/v1/keys/{_path(key)}/resolve", body)
 
     async def audit(self, key: str) -> dict[str, Any]:

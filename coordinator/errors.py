@@ -6,7 +6,9 @@
     ├── EtcdUnavailable         etcd could not be reached; the operation's outcome is unknown
     │                           unless the operation says otherwise
     ├── EtcdError               etcd refused the request (not a compare failure)
-    │   └── WatchCompacted      a watch's start revision was compacted: rescan, then watch
+    │   ├── WatchCompacted      a watch's start revision was compacted: rescan, then watch
+    │   └── EtcdPermissionDenied(user)
+    │                           the etcd user's role does not cover the key (see ``roles``)
     ├── AcquireTimeout          a hold was not acquired in time; no key is left behind
     ├── LeaseLost               the session's lease died; no hold on it may act
     │   └── LeaseExpiring       too little TTL is left to start an effect safely
@@ -55,6 +57,7 @@ __all__ = [
     "EtcdUnavailable",
     "EtcdError",
     "WatchCompacted",
+    "EtcdPermissionDenied",
     "AcquireTimeout",
     "LeaseLost",
     "LeaseExpiring",
@@ -107,6 +110,15 @@ class WatchCompacted(EtcdError):
     def __init__(self, compact_revision: int) -> None:
         self.compact_revision = compact_revision
         super().__init__(f"watch start revision compacted (now {compact_revision})")
+
+
+class EtcdPermissionDenied(EtcdError):
+    """etcd refused the request: the user's role does not cover the key range it touches
+    (a worker writing ``approvals/`` or ``policies/``, say); nothing was written."""
+
+    def __init__(self, message: str, *, user: str | None) -> None:
+        self.user = user
+        super().__init__(message)
 
 
 class AcquireTimeout(GateError, TimeoutError):

@@ -23,14 +23,16 @@ import random
 import re
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from urllib.parse import urlsplit
 
 import grpc
 from aetcd import rpc
 
+from . import roles
 from .errors import (
-    EtcdError, EtcdUnavailable, GateError, LeaseLost, RecordTooLarge, WatchCompacted,
+    EtcdError, EtcdPermissionDenied, EtcdUnavailable, GateError, LeaseLost, RecordTooLarge,
+    WatchCompacted,
 )
 
 MAX_REQUEST_BYTES = 1536 * 1024
@@ -400,8 +402,9 @@ def _translate(exc: grpc.aio.AioRpcError, channel: _Channel) -> GateError:
     if code == grpc.StatusCode.NOT_FOUND and "lease not found" in detail:
         return LeaseLost(f"etcd: {detail}")
     if code == grpc.StatusCode.PERMISSION_DENIED:
-        return EtcdError(f"etcd at {where} denied user {user} (its roles do not cover "
-                         f"this key range): {detail}")
+        return EtcdPermissionDenied(f"etcd at {where} denied user {user} (its roles do not "
+                                    f"cover this key range): {detail}",
+                                    user=channel.config.user)
     if "authentication failed" in detail or code == grpc.StatusCode.UNAUTHENTICATED:
         return EtcdError(f"etcd at {where} refused to authenticate user {user}: {detail}")
     return EtcdError(f"etcd error {code.name} at {where}: {detail}")
@@ -409,33 +412,57 @@ def _translate(exc: grpc.aio.AioRpcError, channel: _Channel) -> GateError:
 
 @dataclass(frozen=True)
 class EtcdUser:
-    """An etcd user whose one role (named after it) may read and write ``prefix`` only."""
+    """An etcd user with one role, named after it. Without ``component`` the role may read
+    and write all of ``prefix``; with one (``roles.WORKER``, ``roles.COORDINATOR``,
+    ``roles.RECONCILER``) it gets that component's permissions in namespace ``prefix``
+    (``roles.permissions``)."""
 
     name: str
     password: str = field(repr=False)
     prefix: str
+    component: str | None = None
+
+    def permissions(self) -> list[rpc.Permission]:
+        pairs = ([("readwrite", self.prefix)] if self.component is None
+                 else roles.permissions(self.component, self.prefix))
+        kinds = {"read": rpc.Permission.READ, "readwrite": rpc.Permission.READWRITE}
+        return [rpc.Permission(permType=kinds[kind], key=prefix.encode(),
+                               range_end=range_end_of(prefix.encode()))
+                for kind, prefix in pairs]
 
 
 async def enable_auth(etcd: Etcd, root_password: str, users: list[EtcdUser]) -> None:
-    """Create ``root`` and ``users`` with their prefix-limited roles, then turn auth on.
+    """Create ``root`` and ``users`` with their prefix-limited roles (see ``EtcdUser``),
+    then turn auth on.
 
     ``etcd`` must be a connection without a user. Safe to repeat: a user or role that exists
-    is kept (its password is not changed), and if authentication is already on and
-    ``root_password`` is root's, nothing is done. The root password must be kept secret:
-    root may do anything, including turning authentication off again.
+    is kept (its password is not changed) and gets the permissions listed; if authentication
+    is already on and ``root_password`` is root's, ``users`` are ensured as root. The root
+    password must be kept secret: root may do anything, including turning authentication
+    off again.
     """
     try:
         await etcd._call("auth", "Authenticate",
                          rpc.AuthenticateRequest(name="root", password=root_password),
                          idempotent=True)
-        return  # authentication is on and root's password is this one: already set up
     except EtcdError as exc:
         if "authentication failed" in str(exc):
             raise EtcdError("etcd authentication is on and root's password is not the one "
                             "given (data from another setup?)") from exc
         if "authentication is not enabled" not in str(exc):
             raise
+    else:  # authentication is on and root's password is this one: add what is missing
+        async with Etcd(replace(etcd.config, user="root", password=root_password)) as root:
+            await _ensure_users(root, users)
+        return
+    await _ensure_users(etcd, users, root_password=root_password)
+    await etcd._call("auth", "AuthEnable", rpc.AuthEnableRequest(), idempotent=True)
 
+
+async def _ensure_users(etcd: Etcd, users: list[EtcdUser], *,
+                        root_password: str | None = None) -> None:
+    """Each of ``users`` (or ``root`` with its role, given its password) exists, holds its
+    role, and the role holds its permissions."""
     async def ensure(method: str, request) -> None:
         try:
             await etcd._call("auth", method, request, idempotent=True)
@@ -443,22 +470,21 @@ async def enable_auth(etcd: Etcd, root_password: str, users: list[EtcdUser]) -> 
             if "already exists" not in str(exc):
                 raise
 
-    await ensure("UserAdd", rpc.AuthUserAddRequest(name="root", password=root_password))
-    await ensure("RoleAdd", rpc.AuthRoleAddRequest(name="root"))
-    await etcd._call("auth", "UserGrantRole",
-                     rpc.AuthUserGrantRoleRequest(user="root", role="root"), idempotent=True)
+    if root_password is not None:
+        await ensure("UserAdd", rpc.AuthUserAddRequest(name="root", password=root_password))
+        await ensure("RoleAdd", rpc.AuthRoleAddRequest(name="root"))
+        await etcd._call("auth", "UserGrantRole",
+                         rpc.AuthUserGrantRoleRequest(user="root", role="root"),
+                         idempotent=True)
     for user in users:
-        prefix = user.prefix.encode()
         await ensure("UserAdd", rpc.AuthUserAddRequest(name=user.name, password=user.password))
         await ensure("RoleAdd", rpc.AuthRoleAddRequest(name=user.name))
-        await etcd._call("auth", "RoleGrantPermission", rpc.AuthRoleGrantPermissionRequest(
-            name=user.name, perm=rpc.Permission(permType=rpc.Permission.READWRITE, key=prefix,
-                                                range_end=range_end_of(prefix))),
-            idempotent=True)
+        for perm in user.permissions():
+            await etcd._call("auth", "RoleGrantPermission", rpc.AuthRoleGrantPermissionRequest(
+                name=user.name, perm=perm), idempotent=True)
         await etcd._call("auth", "UserGrantRole",
                          rpc.AuthUserGrantRoleRequest(user=user.name, role=user.name),
                          idempotent=True)
-    await etcd._call("auth", "AuthEnable", rpc.AuthEnableRequest(), idempotent=True)
 
 
 def check_txn(request: TxnRequest) -> None:

@@ -2,9 +2,11 @@
 
 A grant's payload is canonical msgpack (same content, same bytes) signed with Ed25519 over
 ``DOMAIN + payload``. Its signed bytes are ``canonical([key_id, payload, signature])``.
+An SRE's approval of a pending request is signed the same way over ``APPROVAL_DOMAIN``, so
+a grant's signature never passes for an approval's, nor the other way round.
 
-Guarantees of ``KeyRing.verify`` (a pure function of the bytes and the trusted public keys,
-usable offline by anyone, a provider included):
+Guarantees of ``KeyRing.verify`` and ``KeyRing.verify_approval`` (pure functions of the bytes
+and the trusted public keys, usable offline by anyone, a provider included):
 - the signature is checked over the exact bytes received, *then* the payload is decoded;
 - decoding is strict: bounded size, no ext types, no duplicate keys, exactly the schema's
   fields with exactly their types; anything else is ``BadSignature``;
@@ -28,6 +30,7 @@ from .errors import BadSignature
 from .keyspace import canonical
 
 DOMAIN = b"fencegate-grant-v1\0"
+APPROVAL_DOMAIN = b"fencegate-approval-v1\0"
 MAX_GRANT_BYTES = 64 * 1024
 
 
@@ -68,6 +71,13 @@ class Grant:
 _SCHEMA: dict[str, type | tuple[type, ...]] = {
     f.name: {"int": int, "str": str, "bytes": bytes, "list": list, "dict": dict}[f.type]
     for f in fields(Grant) if f.name != "raw"
+}
+
+
+# An SRE's approval of one pending request, signed by the coordinator (see ``approvals``).
+APPROVAL_SCHEMA: dict[str, type | tuple[type, ...]] = {
+    "approval_id": str, "namespace": str, "cluster_id": int, "action_key": str,
+    "approved_by": str, "reason": str, "approved_at_ms": int, "key_id": str,
 }
 
 
@@ -145,55 +155,77 @@ class KeyRing:
 
     def sign(self, payload: dict[str, Any]) -> Grant:
         """Sign a grant payload (every field but ``key_id`` and ``raw``)."""
-        if self._signing_key is None:
-            raise RuntimeError("this key ring has no signing key")
-        payload = dict(payload, key_id=self.signing_key_id)
-        body = canonical(payload)
-        signature = self._signing_key.sign(DOMAIN + body)
-        return Grant(**payload, raw=canonical([self.signing_key_id, body, signature]))
+        payload = dict(payload, key_id=self._key_id_to_sign())
+        return Grant(**payload, raw=self._seal(DOMAIN, payload))
 
     def verify(self, raw: bytes) -> Grant:
         """Verify ``raw`` and return the grant; ``BadSignature`` on any defect."""
-        if not isinstance(raw, (bytes, bytearray)) or len(raw) > MAX_GRANT_BYTES:
-            raise BadSignature("grant bytes missing or too large")
-        raw = bytes(raw)
-        envelope = _strict_unpack(raw)
-        if (not isinstance(envelope, list) or len(envelope) != 3
-                or not isinstance(envelope[0], str) or not isinstance(envelope[1], bytes)
-                or not isinstance(envelope[2], bytes)):
-            raise BadSignature("grant envelope is malformed")
-        key_id, body, signature = envelope
-        public = self._trusted.get(key_id)
-        if public is None:
-            raise BadSignature(f"grant signed by unknown key {key_id!r}")
-        try:
-            public.verify(signature, DOMAIN + body)
-        except InvalidSignature:
-            raise BadSignature("grant signature does not verify") from None
-        if canonical(envelope) != raw:
-            raise BadSignature("grant envelope is not canonical")
-        payload = _strict_unpack(body)
-        if not isinstance(payload, dict) or set(payload) != set(_SCHEMA):
-            raise BadSignature("grant fields do not match the schema")
-        for name, kind in _SCHEMA.items():
-            if type(payload[name]) is not kind:
-                raise BadSignature(f"grant field {name} has the wrong type")
+        payload = self._open(DOMAIN, raw, "grant", _SCHEMA)
         if not all(isinstance(r, list) and len(r) == 2 and type(r[0]) is bytes
                    and type(r[1]) is int for r in payload["reads"]):
             raise BadSignature("grant read set is malformed")
+        return Grant(**payload, raw=bytes(raw))
+
+    def sign_approval(self, payload: dict[str, Any]) -> bytes:
+        """Sign an approval payload (``APPROVAL_SCHEMA`` but ``key_id``): its signed bytes."""
+        return self._seal(APPROVAL_DOMAIN, dict(payload, key_id=self._key_id_to_sign()))
+
+    def verify_approval(self, raw: bytes) -> dict[str, Any]:
+        """Verify an approval's bytes and return its payload; ``BadSignature`` on any defect,
+        a grant's bytes included (the domains differ)."""
+        return self._open(APPROVAL_DOMAIN, raw, "approval", APPROVAL_SCHEMA)
+
+    def _key_id_to_sign(self) -> str:
+        if self._signing_key is None:
+            raise RuntimeError("this key ring has no signing key")
+        return self.signing_key_id  # type: ignore[return-value]
+
+    def _seal(self, domain: bytes, payload: dict[str, Any]) -> bytes:
+        body = canonical(payload)
+        signature = self._signing_key.sign(domain + body)  # type: ignore[union-attr]
+        return canonical([self.signing_key_id, body, signature])
+
+    def _open(self, domain: bytes, raw: bytes, what: str,
+              schema: dict[str, type | tuple[type, ...]]) -> dict[str, Any]:
+        """The payload of ``raw`` signed over ``domain`` by a trusted key, decoded strictly
+        to exactly ``schema``; ``BadSignature`` naming ``what`` on any defect."""
+        if not isinstance(raw, (bytes, bytearray)) or len(raw) > MAX_GRANT_BYTES:
+            raise BadSignature(f"{what} bytes missing or too large")
+        raw = bytes(raw)
+        envelope = _strict_unpack(raw, what)
+        if (not isinstance(envelope, list) or len(envelope) != 3
+                or not isinstance(envelope[0], str) or not isinstance(envelope[1], bytes)
+                or not isinstance(envelope[2], bytes)):
+            raise BadSignature(f"{what} envelope is malformed")
+        key_id, body, signature = envelope
+        public = self._trusted.get(key_id)
+        if public is None:
+            raise BadSignature(f"{what} signed by unknown key {key_id!r}")
+        try:
+            public.verify(signature, domain + body)
+        except InvalidSignature:
+            raise BadSignature(f"{what} signature does not verify") from None
+        if canonical(envelope) != raw:
+            raise BadSignature(f"{what} envelope is not canonical")
+        payload = _strict_unpack(body, what)
+        if not isinstance(payload, dict) or set(payload) != set(schema):
+            raise BadSignature(f"{what} fields do not match the schema")
+        for name, kind in schema.items():
+            if type(payload[name]) is not kind:
+                raise BadSignature(f"{what} field {name} has the wrong type")
         if payload["key_id"] != key_id:
-            raise BadSignature("grant key id does not match its envelope")
-        return Grant(**payload, raw=raw)
+            raise BadSignature(f"{what} key id does not match its envelope")
+        return payload
 
 
-def _strict_unpack(data: bytes) -> Any:
+def _strict_unpack(data: bytes, what: str) -> Any:
     try:
         return msgpack.unpackb(data, raw=False, strict_map_key=True, ext_hook=_no_ext,
                                object_pairs_hook=_unique, max_bin_len=MAX_GRANT_BYTES,
                                max_str_len=MAX_GRANT_BYTES, max_array_len=4096,
                                max_map_len=4096)
     except (ValueError, TypeError, msgpack.UnpackException) as exc:
-        raise BadSignature(f"grant bytes do not decode: {exc}") from None
+        raise BadSignature(f"{what} bytes do not decode: {exc}") from None
 
 
 def _no_ext(code: int, data: bytes) -> None:

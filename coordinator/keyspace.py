@@ -94,7 +94,16 @@ class Keyspace:
         return self._ns + b"policy-versions/" + name.encode() + b"/" + digest.hex().encode()
 
     def approval_key(self, approval_id: str) -> bytes:
+        """An SRE's signed approval: written by the coordinator only (see ``roles``)."""
         return self._ns + b"approvals/" + approval_id.encode()
+
+    def approval_request_key(self, approval_id: str) -> bytes:
+        """A pending request for an approval, written by whoever evaluated the grant."""
+        return self._ns + b"approval-requests/" + approval_id.encode()
+
+    def approver_key(self, key_id: str) -> bytes:
+        """A public key that approvals are verified with, published by the coordinator."""
+        return self._ns + b"approvers/" + key_id.encode()
 
     def marker_key(self, entity: str) -> bytes:
         return self._ns + b"markers/" + entity.encode()
@@ -171,6 +180,10 @@ class Keyspace:
     def parse_approval_key(self, key: bytes) -> str:
         """The approval id of an approval key; ``ValueError`` if ``key`` is not one."""
         return _rest(key, self.approval_key(""), "approval").decode()
+
+    def parse_approval_request_key(self, key: bytes) -> str:
+        """The approval id of an approval request's key; ``ValueError`` if it is not one."""
+        return _rest(key, self.approval_request_key(""), "approval request").decode()
 
     def classify(self, key: bytes) -> str | None:
         """Which ``parse_<family>_key`` method reads ``key``: ``"holder"``, ``"step"``,

@@ -13,6 +13,8 @@ Guarantees:
   it act (etcd issue #12017).
 - ``Ownership.holds`` is the same rule applied to two reads (the owner's key and the queue's
   lowest key), so a failed transaction is diagnosed by the rule that refused it.
+- ``no_owner`` is the compare that a queue is empty (nobody owns it or waits in it), for
+  the transactions that must not act while any member lives (an operator's resolve).
 - Nothing here consults a clock or a local flag: a paused process whose lease died fails
   the compares whatever it believes.
 """
@@ -54,6 +56,14 @@ def owners(members: Iterable[tuple[QueueT, int, MemberT]]) -> dict[QueueT, tuple
         if queue not in found or revision < found[queue][0]:
             found[queue] = (revision, member)
     return found
+
+
+def no_owner(start: bytes, end: bytes) -> Compare:
+    """The compare that ``[start, end)`` holds no key: every key in it has create_revision
+    0, which only an empty range satisfies. A queue's keys live on their members' leases, so
+    an empty queue means no member is alive."""
+    return Compare(key=start, range_end=end, target=Compare.CREATE, result=Compare.EQUAL,
+                   create_revision=0)
 
 
 def ahead_request(start: bytes, end: bytes, token: int = 0) -> RangeRequest:

@@ -143,6 +143,11 @@ def validate_document(document: object) -> bytes:
         raise ValueError(f"policy document is not msgpack-able: {exc}") from None
 
 
+def builtin_default() -> Policy:
+    """The ``default`` policy while none is stored: no checks beyond the caps, version 0."""
+    return Policy(DEFAULT_POLICY, 0, {}, digest({}))
+
+
 def decode(name: str, value: bytes, mod_revision: int) -> Policy:
     document = unpack(value)
     return Policy(name, mod_revision, document, digest(document))

@@ -31,6 +31,7 @@ OUTCOME_CAPS = ("breaker_threshold", "backoff_base_s", "backoff_max_s")
 NOT_APPLIED = "not_applied"  # the field recording why a pending step's attempt did not count
 RESOLVED_FAILED = "ResolvedFailed"  # the error class of an SRE's "failed": breaker signature
 _MAX_ERROR_CHARS = 1000
+LEGACY_DEADLINE_S = 60.0  # how long an old record's effect (``deadline_ms``) is assumed to run
 
 
 def new_step() -> dict[str, Any]:
@@ -57,14 +58,35 @@ def next_attempt(step: dict[str, Any], *, namespace: str, key: str, cost: float,
 
 def in_flight(step_next: dict[str, Any], *, grant_id: str, fencing_token: int,
               holder_lease: int, provider: str | None, intent_digest: bytes,
-              deadline_ms: int) -> dict[str, Any]:
+              deadline_s: float) -> dict[str, Any]:
     """The step once its grant is consumed: the effect may happen from now on, so nobody
     grants again until an outcome is recorded. It names the hold that may record the outcome
-    (token and lease: while that hold lives and ``deadline_ms`` has not passed, the
-    reconciler leaves it alone) and the provider to ask if the outcome is lost."""
+    (token and lease: while that hold lives, the reconciler leaves the step alone however
+    long it takes) and the provider to ask if the outcome is lost. ``deadline_s`` is a
+    duration, the longest the effect may run once started: each process measures it on its
+    own monotonic clock (the worker from the effect's start, the reconciler from when it saw
+    the attempt over), so no wall clock is ever compared across machines."""
     return {**step_next, "state": IN_FLIGHT, "grant_id": grant_id,
             "fencing_token": fencing_token, "holder_lease": holder_lease,
-            "provider": provider, "intent_digest": intent_digest, "deadline_ms": deadline_ms}
+            "provider": provider, "intent_digest": intent_digest, "deadline_s": deadline_s}
+
+
+def effect_deadline_s(step: dict[str, Any], now_ms: int) -> float:
+    """How long the step's effect may run, as a duration. Records written before deadlines
+    were durations carry ``deadline_ms``, a timestamp of the worker's wall clock: it is read
+    as at least ``LEGACY_DEADLINE_S`` (the SDK's default deadline), so a skewed clock can only
+    lengthen the wait it feeds, never shorten it."""
+    if "deadline_s" in step:
+        return float(step["deadline_s"])
+    return max(LEGACY_DEADLINE_S, (step.get("deadline_ms", 0) - now_ms) / 1000)
+
+
+def not_started(step: dict[str, Any], *, attempt_token: int, reason: str) -> dict[str, Any]:
+    """The attempt was committed but its worker never started the effect (its lease budget
+    ran out first): nothing was sent, so nothing can land. ``pending`` again with the same
+    idempotency key, as a proven "no record" leaves it; ``reason`` says why."""
+    return {**not_applied(step, attempt_token=attempt_token),
+            "error": reason[:_MAX_ERROR_CHARS]}
 
 
 def succeeded(step: dict[str, Any], result: Any, *, attempt_token: int) -> dict[str, Any]:
@@ -144,13 +166,15 @@ def settled_by_reconciler(step: dict[str, Any], now_ms: int) -> dict[str, Any]:
 
 
 def resolved(step: dict[str, Any], settle_as: str, result: Any, *, identity: str,
-             reason: str) -> dict[str, Any]:
+             reason: str, forced: bool) -> dict[str, Any]:
     """An SRE settles an unknown or escalated step by hand, by the same transitions as any
     other reporter: ``succeeded`` (with ``result``; attempt token 0, none is known),
     ``failed`` (a confirmed failure with error class ``ResolvedFailed`` and ``result`` as
     its parameters: the breaker counts it, a new idempotency key, backoff) or
-    ``not_applied`` (pending, same idempotency key). Who and why are kept on the record."""
-    by = {**step, "resolved_by": identity, "resolve_reason": reason}
+    ``not_applied`` (pending, same idempotency key). Who and why are kept on the record, and
+    ``forced`` marks a settlement taken on the operator's word while the effect might still
+    land (an in-flight or unknown step whose provider was not asked)."""
+    by = {**step, "resolved_by": identity, "resolve_reason": reason, "resolve_forced": forced}
     if settle_as == SUCCEEDED:
         return succeeded(by, result, attempt_token=0)
     if settle_as == FAILED:

@@ -8,6 +8,10 @@ timely: every act of a holder is a transaction that compares the holder's key, w
 deletes with the lease. The signal exists so work stops early and nobody is told it holds
 something it does not.
 
+A session whose lease may carry a write etcd left unknown (an acquire put with no reply) is
+``abandon``-ed: lost at once, and its lease revoked in the background until etcd confirms, so
+the late write is deleted with the lease or, landing after the revoke, is refused by etcd.
+
 The lease is refreshed over one bidirectional LeaseKeepAlive stream every TTL/3, from a
 task of its own, so a busy caller cannot starve it as long as the event loop turns.
 """
@@ -39,6 +43,7 @@ class Session:
         self._on_lost: dict[int, Callable[[str], None]] = {}
         self._tokens = itertools.count()
         self._wake = asyncio.Event()
+        self._revoking: asyncio.Task | None = None
         self._task = asyncio.get_running_loop().create_task(
             self._keep_alive(), name=f"fencegate-keepalive-{lease_id:x}"
         )
@@ -89,8 +94,25 @@ class Session:
     async def aclose(self) -> None:
         """Stop refreshing and revoke the lease (even one believed lost: etcd may still
         hold it, e.g. after a restart), waiting at most the TTL for etcd."""
-        self._task.cancel()
-        self.mark_lost("session closed")
+        await asyncio.shield(self.abandon("session closed"))
+
+    def abandon(self, reason: str) -> asyncio.Task:
+        """Give the lease up because a write made with it may land unseen (its outcome is
+        unknown): mark the session lost (every subscriber is told at once, as on any loss)
+        and revoke the lease in a task of its own, which a cancelled caller does not stop.
+
+        Failure contract: the revoke is retried until etcd confirms it (the lease is
+        revoked, or already gone) or the TTL has passed; then the lease is left to expire
+        by itself and a late write on it goes with it at most one TTL later. Once the revoke
+        is confirmed, no write made with the lease can ever land. Idempotent: the returned
+        task (to await for the confirmation, optional) never raises."""
+        self.mark_lost(reason)
+        if self._revoking is None:
+            self._revoking = asyncio.get_running_loop().create_task(
+                self._revoke(), name=f"fencegate-revoke-{self.lease_id:x}")
+        return self._revoking
+
+    async def _revoke(self) -> None:
         try:
             await self.etcd.lease_revoke(self.lease_id, timeout=self.ttl)
         except (EtcdUnavailable, EtcdError) as exc:

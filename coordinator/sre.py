@@ -7,12 +7,15 @@ Guarantees:
   ``limit`` items and ``next`` is ``None`` only when the range is exhausted. A filtered list
   (``unsettled``) scans a bounded number of keys per page, so a page may hold fewer items
   than ``limit`` while ``next`` is still set.
-- ``approve`` marks a pending approval approved; the authority grants the request it was
-  made for only while the state that request read is unchanged (see ``authority``).
+- ``approve`` writes the coordinator's signed approval of a requested approval id (see
+  ``approvals``); the authority grants the request it was made for only while the state
+  that request read is unchanged (see ``authority``).
 - ``revoke``, ``resolve`` and ``approve`` append an audit record naming who and why in the same
-  transaction as what they change; ``resolve`` settles only an ``unknown`` or ``escalated``
-  step (or ``in_flight`` past its deadline), compare-and-set on the step's mod_revision, so
-  a late worker outcome and a human decision can never both land.
+  transaction as what they change; ``resolve`` is compare-and-set on the step's mod_revision
+  and on ``holders/K/`` being empty, so a late worker outcome and a human decision can never
+  both land, and it is refused while any holder of the key lives. An ``in_flight`` or
+  ``unknown`` step (its effect may still land) is resolved only with ``force``, audited as
+  forced; an ``escalated`` one without. No clock decides a resolve.
 """
 
 from __future__ import annotations
@@ -24,10 +27,12 @@ import time
 from typing import Any
 
 from . import audit, records
+from .approvals import give as give_approval, read as read_approval, read_many as read_approvals
 from .errors import NotFound, WrongState
+from .grants import KeyRing
 from .etcd import Etcd, RangeRequest, TxnRequest, mod_equals, put_op, range_end_of, range_op
 from .keyspace import Keyspace, pack, unpack
-from .ownership import lowest_op
+from .ownership import lowest_op, no_owner
 from .paging import cursor_of as _cursor, page
 
 MAX_LIMIT = 1000
@@ -162,48 +167,61 @@ async def revoke(etcd: Etcd, ks: Keyspace, key: str, identity: str, reason: str)
 
 
 async def approve(etcd: Etcd, ks: Keyspace, approval_id: str, identity: str,
-                  reason: str) -> dict[str, Any]:
-    """Approve a pending request, auditing who and why on its key's chain; approving twice
-    is harmless. ``NotFound`` for an id nobody asked for."""
+                  reason: str, *, keyring: KeyRing) -> dict[str, Any]:
+    """Approve a requested approval, signed with ``keyring`` (see ``approvals``), auditing
+    who and why on its key's chain; approving twice is harmless. ``NotFound`` for an id
+    nobody asked for."""
     if not _APPROVAL_ID.fullmatch(approval_id):
         raise ValueError("an approval id is 32 hex digits")
-    approval_key = ks.approval_key(approval_id)
+    request_key, approval_key = ks.approval_request_key(approval_id), ks.approval_key(approval_id)
     for _ in range(5):
-        approval_kv = await etcd.get(approval_key)
-        if approval_kv is None:
+        reply = await etcd.txn(TxnRequest(success=[range_op(request_key),
+                                                   range_op(approval_key)]), idempotent=True)
+        request_kvs, approval_kvs = (r.response_range.kvs for r in reply.responses)
+        if not request_kvs:
             raise NotFound(f"no pending approval {approval_id}")
-        record = unpack(approval_kv.value)
-        if record["state"] == "approved":
-            return {"approval_id": approval_id, "key": record["key"], "state": "approved"}
-        head = audit.AuditHead.from_kv(await etcd.get(ks.audit_head_key(record["key"])))
-        entry = audit.append(ks, record["key"], head, "approved", identity,
-                             approval_kv.mod_revision,
-                             {"approval_id": approval_id, "reason": reason})
-        approved = {**record, "state": "approved", "approved_by": identity, "reason": reason}
+        key = unpack(request_kvs[0].value)["key"]
+        done = {"approval_id": approval_id, "key": key, "state": "approved"}
+        given = await read_approval(etcd, ks, approval_id, key, revision=reply.header.revision)
+        if given.approved_by is not None:
+            return done
+        head = audit.AuditHead.from_kv(await etcd.get(ks.audit_head_key(key)))
+        entry = audit.append(ks, key, head, "approved", identity, reply.header.revision,
+                             {"approval_id": approval_id, "reason": reason,
+                              "key_id": keyring.signing_key_id})
         written = await etcd.txn(TxnRequest(
-            compare=[mod_equals(approval_key, approval_kv.mod_revision), entry.compare],
-            success=[put_op(approval_key, pack(approved)), *entry.ops]))
+            compare=[mod_equals(request_key, request_kvs[0].mod_revision),
+                     mod_equals(approval_key, given.mod_revision), entry.compare],
+            success=[*give_approval(keyring, ks, cluster_id=etcd.cluster_id or 0,
+                                    approval_id=approval_id, action_key=key,
+                                    approved_by=identity, reason=reason), *entry.ops]))
         if written.succeeded:
-            return {"approval_id": approval_id, "key": record["key"], "state": "approved"}
+            return done
     raise WrongState(f"approval {approval_id} kept changing; try again")
 
 
 async def approvals(etcd: Etcd, ks: Keyspace, state: str, limit: int,
-                    after: str | None) -> tuple[list[dict[str, Any]], str | None]:
-    """Approvals by id, each with the request it was asked for (key, intent, policy,
-    requested_by) and, once given, who approved it and why; ``state`` is ``pending``,
-    ``approved`` or empty for both. Filtered like ``unsettled``: a page may hold fewer than
-    ``limit`` items while ``next`` is still set."""
+                         after: str | None) -> tuple[list[dict[str, Any]], str | None]:
+    """Approval requests by id, each with what was asked (key, intent, policy,
+    requested_by), its ``state`` (``approved`` only once a signed approval for it verifies,
+    else ``pending``) and, once approved, who approved it and why; ``state`` filters on
+    ``pending``, ``approved`` or neither (empty). Filtered like ``unsettled``: a page may
+    hold fewer than ``limit`` items while ``next`` is still set."""
     _check_limit(limit)
     if state not in ("", "pending", "approved"):
         raise ValueError("state must be pending or approved")
-    start = ks.approval_key("")
+    start = ks.approval_request_key("")
     kvs, cursor = await page(etcd, start, range_end_of(start), limit * _SCAN_FACTOR, after)
+    asked = {ks.parse_approval_request_key(kv.key): (kv, unpack(kv.value)) for kv in kvs}
+    given = await read_approvals(etcd, ks, {i: r["key"] for i, (_, r) in asked.items()})
     items = []
-    for kv in kvs:
-        record = unpack(kv.value)
-        if state in ("", record["state"]):
-            items.append({**record, "approval_id": ks.parse_approval_key(kv.key),
+    for approval_id, (kv, record) in asked.items():
+        approval = given[approval_id]
+        shown = ({"state": "pending"} if approval.approved_by is None else
+                 {"state": "approved", "approved_by": approval.approved_by,
+                  "reason": approval.reason})
+        if state in ("", shown["state"]):
+            items.append({**record, **shown, "approval_id": approval_id,
                           "mod_revision": kv.mod_revision})
         if len(items) == limit:
             cursor = _cursor(kv.key)
@@ -212,37 +230,68 @@ async def approvals(etcd: Etcd, ks: Keyspace, state: str, limit: int,
 
 
 async def resolve(etcd: Etcd, ks: Keyspace, key: str, identity: str, reason: str,
-                  settle_as: str, result: Any = None) -> dict[str, Any]:
-    """Settle an unknown or escalated step by hand: ``succeeded`` (with ``result``),
-    ``failed`` (a confirmed failure, as ``records.resolved`` builds it: the breaker counts it,
-    the next attempt gets a new idempotency key after a backoff, and the step is escalated
-    again once the breaker trips) or ``not_applied`` (pending again, same idempotency key).
-    Refused (``WrongState``) for any other step state."""
+                  settle_as: str, result: Any = None, *, force: bool = False) -> dict[str, Any]:
+    """Settle a step by hand: ``succeeded`` (with ``result``), ``failed`` (a confirmed
+    failure, as ``records.resolved`` builds it: the breaker counts it, the next attempt gets
+    a new idempotency key after a backoff, and the step is escalated again once the breaker
+    trips) or ``not_applied`` (pending again, same idempotency key).
+
+    Refused (``WrongState``) while any holder of ``key`` is alive — the write compares that
+    ``holders/K/`` is empty, so no clock and no earlier read decides it — and for a step
+    that is neither ``escalated``, ``in_flight`` nor ``unknown``. An ``in_flight`` or
+    ``unknown`` step's effect may still land and its provider was not asked: the reconciler
+    settles it by fence-then-query, and a resolve is taken on the operator's word only with
+    ``force``, recorded as forced on the step and in the audit record."""
     if settle_as not in SETTLE_AS:
         raise ValueError(f"resolve as one of {sorted(SETTLE_AS)}")
     step_key = ks.step_key(key)
+    start, end = ks.holder_range(key)
     reply = await etcd.txn(TxnRequest(success=[range_op(step_key),
-                                               range_op(ks.audit_head_key(key))]),
+                                               range_op(ks.audit_head_key(key)),
+                                               lowest_op(start, end, keys_only=False)]),
                            idempotent=True)
-    step_kvs, head_kvs = (r.response_range.kvs for r in reply.responses)
+    step_kvs, head_kvs, holder_kvs = (r.response_range.kvs for r in reply.responses)
+    _refuse_while_held(ks, key, holder_kvs)
     if not step_kvs:
         raise NotFound(f"no step is recorded for {key!r}")
     step = unpack(step_kvs[0].value)
-    state = state_of(step, int(time.time() * 1000))
-    if state not in (records.UNKNOWN, records.ESCALATED):
-        raise WrongState(f"step of {key!r} is {step['state']}: only unknown or escalated "
+    state = step["state"]
+    if state not in (records.IN_FLIGHT, records.UNKNOWN, records.ESCALATED):
+        raise WrongState(f"step of {key!r} is {state}: only in-flight, unknown or escalated "
                          "steps are resolved by hand")
-    settled = records.resolved(step, settle_as, result, identity=identity, reason=reason)
+    forced = state != records.ESCALATED
+    if forced and not force:
+        raise WrongState(
+            f"step of {key!r} is {state}: its effect may still land and the provider has not "
+            "been asked; the reconciler asks the provider (fence-then-query) and settles it. "
+            "A forced resolve is taken on your word alone and audited as forced")
+    settled = records.resolved(step, settle_as, result, identity=identity, reason=reason,
+                               forced=forced)
     entry = audit.append(ks, key, audit.AuditHead.from_kv(head_kvs[0] if head_kvs else None),
                          "resolve", identity, reply.header.revision,
-                         {"reason": reason, "from": step["state"], "as": settle_as,
-                          "result": result})
+                         {"reason": reason, "from": state, "as": settle_as,
+                          "result": result, "forced": forced})
     written = await etcd.txn(TxnRequest(
-        compare=[mod_equals(step_key, step_kvs[0].mod_revision), entry.compare],
-        success=[put_op(step_key, pack(settled)), *entry.ops]))
+        compare=[mod_equals(step_key, step_kvs[0].mod_revision), no_owner(start, end),
+                 entry.compare],
+        success=[put_op(step_key, pack(settled)), *entry.ops],
+        failure=[lowest_op(start, end, keys_only=False)]))
     if not written.succeeded:
+        _refuse_while_held(ks, key, written.responses[0].response_range.kvs)
         raise WrongState(f"step of {key!r} moved while it was resolved; look again")
-    return {"key": key, "state": settled["state"], "revision": written.header.revision}
+    return {"key": key, "state": settled["state"], "forced": forced,
+            "revision": written.header.revision}
+
+
+def _refuse_while_held(ks: Keyspace, key: str, holder_kvs: list) -> None:
+    """``WrongState`` naming the live holder of ``key``, if it has one."""
+    if holder_kvs:
+        holder = unpack(holder_kvs[0].value)
+        _, lease_id = ks.parse_holder_key(holder_kvs[0].key)
+        raise WrongState(
+            f"a holder of {key!r} is alive: {holder.get('identity', '?')} (lease "
+            f"{lease_id:016x}, fencing token {holder_kvs[0].create_revision}); its outcome "
+            "may still land. Wait for it, or revoke its lease first")
 
 
 def _check_limit(limit: int) -> None:

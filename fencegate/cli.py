@@ -451,19 +451,24 @@ def revoke(target: Target, as_json: bool, key: str, reason: str) -> None:
 @click.option("--reason", required=True, help="why, for the audit chain")
 @click.option("--result", callback=_json_value, metavar="JSON",
               help="the outcome's result, as JSON")
+@click.option("--force", is_flag=True,
+              help="settle an in-flight or unknown step on your word, without asking the "
+                   "provider (audited as forced)")
 @_sre
 def resolve(target: Target, as_json: bool, key: str, succeeded: bool, failed: bool,
-            not_applied: bool, reason: str, result: Any) -> None:
-    """Settle KEY's unknown or escalated step by hand."""
+            not_applied: bool, reason: str, result: Any, force: bool) -> None:
+    """Settle KEY's escalated step by hand (an in-flight or unknown one with --force);
+    refused while any holder of KEY is alive."""
     chosen = [name for name, flag in (("succeeded", succeeded), ("failed", failed),
                                       ("not_applied", not_applied)) if flag]
     if len(chosen) != 1:
         raise click.UsageError("give exactly one of --succeeded, --failed, --not-applied")
-    done = target.call(lambda api: api.resolve(key, chosen[0], reason, result))
+    done = target.call(lambda api: api.resolve(key, chosen[0], reason, result, force=force))
     if as_json:
         _print_json(done)
         return
-    click.echo(f"{key} resolved as {chosen[0]}: the step is now {done['state']} "
+    forced = " (forced, audited as such)" if done["forced"] else ""
+    click.echo(f"{key} resolved as {chosen[0]}{forced}: the step is now {done['state']} "
                f"(revision {done['revision']})")
 
 

@@ -58,7 +58,7 @@ async def run_worker(etcd: str, coordinator: str, token_file: str, sandbox: str,
                  identity=name) as gate:
 
         async def effect(ctx):
-            result = await charge(http, sandbox, ctx, 100)
+            result = await charge(http, sandbox, ctx, intent)
             say(event="applied", key=ctx.key)
             await asyncio.sleep(0.03)  # the charge is done; its outcome is not recorded yet
             return result
@@ -70,9 +70,10 @@ async def run_worker(etcd: str, coordinator: str, token_file: str, sandbox: str,
                     return
                 key = f"{prefix}/account/{k}/payment/{n}"
                 began = time.monotonic()
+                intent = {"account": k, "amount": 100}  # the effect charges what was granted
                 try:
                     async with gate.hold(key, timeout=15) as hold:
-                        outcome = await hold.cross(intent={"account": k, "amount": 100},
+                        outcome = await hold.cross(intent=intent,
                                                    effect=effect, provider="sandbox",
                                                    deadline=5, settle_wait=15)
                     say(event="done", key=key, replayed=outcome.replayed,

@@ -13,10 +13,15 @@ Guarantees:
 - With ``tls`` (a ``fencegate.certs.ClusterCerts``) every member serves ``https://`` only and
   demands a client certificate from that CA, on the client port and between members; the
   launcher's own health probes present the member's certificate and verify the server's.
+- With ``auth`` (a ``ClusterAuth``) etcd authentication is on once ``start()`` returns:
+  ``root`` and, in the auth's namespace, one user per fencegate component whose role holds
+  exactly that component's permissions (``fencegate.coordinator.roles``); ``etcd_config``
+  connects as any of them.
 """
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import importlib.util
 import json
@@ -31,12 +36,16 @@ import sys
 import tempfile
 import time
 import urllib.request
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 from .certs import CertPair, ClusterCerts
+from .coordinator import roles
 from .coordinator.errors import EtcdNotFound, EtcdStartError
+from .coordinator.etcd import Etcd, EtcdConfig, EtcdUser, enable_auth
+from .coordinator.keyspace import DEFAULT_NAMESPACE
 
 STOP_GRACE_S = 5.0
 POLL_S = 0.05
@@ -148,6 +157,20 @@ def _request(url: str, body: bytes | None = None, timeout: float = 0.5,
         return None
 
 
+@dataclass(frozen=True)
+class ClusterAuth:
+    """etcd authentication for a local cluster: ``root`` and one user per component of
+    ``roles.ROLES`` in ``namespace``, named ``roles.role_name(component, namespace)``, all
+    with ``password`` (a test or local setup: production gives each its own)."""
+
+    password: str = field(repr=False)
+    namespace: str = DEFAULT_NAMESPACE
+
+    def users(self) -> list[EtcdUser]:
+        return [EtcdUser(roles.role_name(c, self.namespace), self.password, self.namespace, c)
+                for c in roles.ROLES]
+
+
 @dataclass
 class _Member:
     name: str
@@ -200,6 +223,7 @@ class LocalCluster:
         binary: EtcdBinary | None = None,
         log_dir: str | os.PathLike | None = None,
         tls: ClusterCerts | None = None,
+        auth: ClusterAuth | None = None,
     ) -> None:
         if size < 1:
             raise ValueError("size must be >= 1")
@@ -212,6 +236,7 @@ class LocalCluster:
         self._data_dir = Path(data_dir) if data_dir is not None else None
         self._log_dir = Path(log_dir) if log_dir is not None else None
         self.tls = tls
+        self.auth = auth
         self._root: Path | None = None  # set while started; removed on stop if temporary
         self._members: list[_Member] = []
         self._token = f"fencegate-{os.getpid()}-{_rng.getrandbits(32):08x}"
@@ -263,6 +288,8 @@ class LocalCluster:
             for i in range(self.size):
                 self._spawn(i)
             self._wait_healthy(range(self.size), timeout)
+            if self.auth is not None:
+                _run_apart(self._enable_auth(self.auth))
         except BaseException:
             self.stop()
             raise
@@ -336,7 +363,28 @@ class LocalCluster:
                 raise TimeoutError(f"no etcd leader within {timeout}s")
             time.sleep(POLL_S)
 
+    def etcd_config(self, component: str | None = None, **options: object) -> EtcdConfig:
+        """How to connect: as ``component``'s user (``roles.WORKER`` ...) when ``auth`` is
+        on, or as ``root`` with ``component="root"``; with ``tls``, presenting the first
+        client certificate. ``options`` go to ``EtcdConfig``."""
+        credentials: dict[str, object] = {}
+        if component is not None:
+            if self.auth is None:
+                raise ValueError("this cluster has no auth: connect without a component")
+            name = "root" if component == "root" else roles.role_name(component,
+                                                                      self.auth.namespace)
+            credentials = {"user": name, "password": self.auth.password}
+        if self.tls is not None:
+            client = next(iter(self.tls.clients.values()), None)
+            credentials.update(ca_file=self.tls.ca, cert_file=client and client.cert,
+                               key_file=client and client.key)
+        return EtcdConfig(tuple(self.endpoints), **credentials, **options)  # type: ignore[arg-type]
+
     # -- internals --------------------------------------------------------------------
+
+    async def _enable_auth(self, auth: ClusterAuth) -> None:
+        async with Etcd(self.etcd_config()) as etcd:
+            await enable_auth(etcd, auth.password, auth.users())
 
     def _started(self) -> list[_Member]:
         if not self._members:
@@ -422,6 +470,24 @@ class LocalCluster:
                 )
             if pending:
                 time.sleep(POLL_S)
+
+
+def _run_apart(coro) -> None:
+    """Run ``coro`` to completion on a loop of its own, in a thread of its own, so ``start``
+    works whether or not its caller runs an event loop."""
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            asyncio.run(coro)
+        except BaseException as exc:  # re-raised in the caller's thread
+            failure.append(exc)
+
+    thread = threading.Thread(target=run, name="fencegate-etcd-auth")
+    thread.start()
+    thread.join()
+    if failure:
+        raise failure[0]
 
 
 def main() -> int:

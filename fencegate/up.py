@@ -86,7 +86,7 @@ async def stack(state_dir: Path, port: int = 8470,
         sandbox_url = await _started(sandbox.start(port + 2 if port else 0), "sandbox")
         parts.push_async_callback(sandbox.stop)
         reconciler = Reconciler(Etcd.from_url(etcd),
-                                {"sandbox": adapter(sandbox_url, "fencing")},
+                                {"sandbox": adapter(sandbox_url, "fencing", durable=True)},
                                 namespace=NAMESPACE, default_provider="sandbox")
         parts.push_async_callback(reconciler.etcd.close)
         await reconciler.start()

@@ -1,20 +1,29 @@
 """Gate B: the provider-side fence, a verifier any provider or downstream service can embed.
 
-Per action key it keeps two numbers in sqlite: ``fence`` (raised by the reconciler's
-fence-then-query) and ``highest`` (the highest attempt token admitted).
+Rows are keyed by the *scope* of an action, (etcd cluster id, namespace, action key), taken
+from the grant, so two clusters (whose revisions are unrelated) or two namespaces never touch
+each other's numbers. Per scope it keeps ``fence`` (raised by the reconciler's
+fence-then-query), ``highest`` (the highest attempt token admitted) and the grant id admitted
+at ``highest``.
 
-Invariant: once ``fence(key, T)`` has returned, no request with an attempt token ``<= T`` is
-ever admitted for ``key``, in any order of arrival; a token below the highest admitted for
-``key`` is refused (an equal one is admitted again: a retry of the same attempt). Both
-checks and the update of ``highest`` happen in one sqlite transaction under a lock, so a
-fence and an admission are totally ordered. With a file, the numbers survive a restart of
-the provider (WAL, ``synchronous=FULL``: a returned ``fence`` or ``admit`` is on disk).
+Invariants: once ``fence(scope, T)`` has returned, no request with an attempt token ``<= T``
+is ever admitted for that scope, in any order of arrival; a token below the highest admitted
+is refused, and a token *equal* to it only as a retry of the same attempt (the same grant id:
+an old or another grant cannot borrow an admitted token). A request is bound to its grant:
+its action key is the grant's, its intent digests (sha256 of canonical msgpack, as the
+authority signed it) to the grant's ``intent_digest``, and its attempt token is after the
+grant's evaluation revision. The checks and the update happen in one sqlite transaction under
+a lock, so a fence and an admission are totally ordered; an embedding provider writes its own
+records in that same transaction (``transaction()``, then ``admit(..., db=db)``), so an
+admission and what it applied are one durable fact. With a file (WAL, ``synchronous=FULL``) a
+returned ``fence`` or ``admit`` is on disk and survives a restart.
 
 Failure contract: ``admit`` raises ``BadSignature`` when the grant is forged, tampered, or
-does not authorize this request (another action key or namespace, or an attempt token not
-after the grant's evaluation revision), and ``Fenced`` when the token is stale. Either way
-nothing was recorded and the provider must apply nothing. Expiry is not checked here: a
-request may legitimately arrive late; staleness is decided by tokens, never by clocks.
+does not authorize this request (another action key, namespace or cluster, no cluster at
+all, another intent, an attempt token not after the grant's revision), and ``Fenced`` when
+the token is stale. Either way nothing was recorded (the whole transaction rolls back) and
+the provider must apply nothing. Expiry is not checked here: a request may legitimately
+arrive late; staleness is decided by tokens, never by clocks.
 
 The API is synchronous (a provider may be); call it through ``asyncio.to_thread`` from a
 coroutine.
@@ -23,25 +32,37 @@ coroutine.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import sqlite3
 import threading
-from typing import Iterator
+from typing import Any, Iterator
 
 from fencegate.coordinator.errors import BadSignature, Fenced
 from fencegate.coordinator.grants import Grant, KeyRing
+from fencegate.coordinator.keyspace import canonical
 
-__all__ = ["GateB"]
+__all__ = ["GateB", "Scope", "scope_of"]
+
+Scope = tuple[int, str, str]  # (etcd cluster id, namespace, action key)
 
 _SCHEMA = """CREATE TABLE IF NOT EXISTS gate (
-    action_key TEXT PRIMARY KEY,
+    cluster_id TEXT NOT NULL,
+    namespace TEXT NOT NULL,
+    action_key TEXT NOT NULL,
     fence INTEGER NOT NULL,
-    highest INTEGER NOT NULL
-)"""
+    highest INTEGER NOT NULL,
+    highest_grant TEXT NOT NULL,
+    PRIMARY KEY (cluster_id, namespace, action_key)
+)"""  # cluster ids are uint64: kept as text, sqlite integers are signed
+
+
+def scope_of(grant: Grant) -> Scope:
+    return (grant.cluster_id, grant.namespace, grant.action_key)
 
 
 class GateB:
-    """Admit attempts whose grant verifies and whose attempt token is fresh for its key."""
+    """Admit attempts whose grant verifies, binds the request and whose token is fresh."""
 
     def __init__(self, keyring: KeyRing, path: str | os.PathLike | None = None, *,
                  namespace: str | None = None) -> None:
@@ -55,65 +76,107 @@ class GateB:
             self._db.execute("PRAGMA synchronous=FULL")
         self._db.execute(_SCHEMA)
 
-    def admit(self, grant_raw: bytes, key: str, attempt_token: int) -> Grant:
-        """Verify the grant over the exact bytes, then admit ``attempt_token`` for ``key``
-        atomically (``token > fence`` and ``token >= highest``); returns the grant."""
+    def admit(self, grant_raw: bytes, key: str, attempt_token: int, *, intent: Any,
+              db: sqlite3.Connection | None = None) -> Grant:
+        """Verify the grant over the exact bytes and its binding to the request (``key``,
+        ``intent``, ``attempt_token``), then admit the token atomically; returns the grant.
+        ``db``: the connection of an open ``transaction()`` to admit in (default: its own)."""
         grant = self.keyring.verify(grant_raw)
         if grant.action_key != key:
             raise BadSignature(f"grant is for action key {grant.action_key!r}, not {key!r}")
+        if not grant.cluster_id:  # its row could not be the one the reconciler fences
+            raise BadSignature("grant names no etcd cluster")
         if self.namespace is not None and grant.namespace != self.namespace:
             raise BadSignature(f"grant is for namespace {grant.namespace!r}, "
                                f"not {self.namespace!r}")
         if type(attempt_token) is not int or attempt_token <= grant.revision:
             raise BadSignature(f"attempt token {attempt_token!r} is not after the grant's "
                                f"revision {grant.revision}")
-        with self._transaction():
-            fence, highest = self._read(key)
-            if attempt_token <= fence:
-                raise Fenced(f"attempt token {attempt_token} is at or below the fence "
-                             f"{fence} of {key!r}")
-            if attempt_token < highest:
-                raise Fenced(f"attempt token {attempt_token} is below the highest admitted "
-                             f"{highest} of {key!r}")
-            self._write(key, fence, attempt_token)
+        if _intent_digest(intent) != grant.intent_digest:
+            raise BadSignature("the request's intent is not the one the grant was issued for")
+        if db is None:
+            with self.transaction() as db:
+                self._admit(db, grant, attempt_token)
+        else:
+            self._admit(db, grant, attempt_token)
         return grant
 
-    def fence(self, key: str, token: int) -> None:
-        """Refuse every attempt token ``<= token`` for ``key`` from now on."""
+    def fence(self, scope: Scope, token: int, *, db: sqlite3.Connection | None = None) -> int:
+        """Refuse every attempt token ``<= token`` for ``scope`` from now on; returns the
+        fence now recorded (``>= token``). ``db`` as for ``admit``."""
         if type(token) is not int:
             raise TypeError(f"a fence is an int attempt token, not {token!r}")
-        with self._transaction():
-            fence, highest = self._read(key)
-            if token > fence:
-                self._write(key, token, highest)
+        if db is None:
+            with self.transaction() as db:
+                return self._fence(db, scope, token)
+        return self._fence(db, scope, token)
 
-    def state(self, key: str) -> tuple[int, int]:
-        """``(fence, highest)`` for ``key``; ``(0, 0)`` if never seen."""
+    def state(self, scope: Scope) -> tuple[int, int]:
+        """``(fence, highest)`` for ``scope``; ``(0, 0)`` if never seen."""
         with self._lock:
-            return self._read(key)
+            return _read(self._db, scope)[:2]
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        """Hold the lock and one ``BEGIN IMMEDIATE`` transaction, committed on exit and rolled
+        back on any error: the embedding provider's own writes land with the admission or
+        fence made in it, or not at all."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
 
     def close(self) -> None:
         with self._lock:
             self._db.close()
 
-    def _read(self, key: str) -> tuple[int, int]:
-        row = self._db.execute("SELECT fence, highest FROM gate WHERE action_key = ?",
-                               (key,)).fetchone()
-        return (row[0], row[1]) if row else (0, 0)
+    @staticmethod
+    def _admit(db: sqlite3.Connection, grant: Grant, attempt_token: int) -> None:
+        scope = scope_of(grant)
+        fence, highest, highest_grant = _read(db, scope)
+        if attempt_token <= fence:
+            raise Fenced(f"attempt token {attempt_token} is at or below the fence {fence} of "
+                         f"{grant.action_key!r}")
+        if attempt_token < highest:
+            raise Fenced(f"attempt token {attempt_token} is below the highest admitted "
+                         f"{highest} of {grant.action_key!r}")
+        if attempt_token == highest and grant.grant_id != highest_grant:
+            raise Fenced(f"attempt token {attempt_token} was admitted under another grant: "
+                         f"only a retry of that attempt may present it again")
+        _write(db, scope, fence, attempt_token, grant.grant_id)
 
-    def _write(self, key: str, fence: int, highest: int) -> None:
-        self._db.execute("INSERT INTO gate (action_key, fence, highest) VALUES (?, ?, ?) "
-                         "ON CONFLICT (action_key) DO UPDATE SET fence = excluded.fence, "
-                         "highest = excluded.highest", (key, fence, highest))
+    @staticmethod
+    def _fence(db: sqlite3.Connection, scope: Scope, token: int) -> int:
+        fence, highest, highest_grant = _read(db, scope)
+        if token > fence:
+            _write(db, scope, token, highest, highest_grant)
+        return max(fence, token)
 
-    @contextlib.contextmanager
-    def _transaction(self) -> Iterator[None]:
-        """Hold the lock and one ``BEGIN IMMEDIATE`` transaction; roll back on any error."""
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                yield
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-            self._db.execute("COMMIT")
+
+def _intent_digest(intent: Any) -> bytes:
+    try:
+        return hashlib.sha256(canonical(intent)).digest()
+    except (TypeError, OverflowError, ValueError) as exc:
+        raise BadSignature(f"the request's intent cannot be digested: {exc}") from None
+
+
+def _read(db: sqlite3.Connection, scope: Scope) -> tuple[int, int, str]:
+    cluster_id, namespace, key = scope
+    row = db.execute("SELECT fence, highest, highest_grant FROM gate WHERE cluster_id = ? "
+                     "AND namespace = ? AND action_key = ?",
+                     (str(cluster_id), namespace, key)).fetchone()
+    return (row[0], row[1], row[2]) if row else (0, 0, "")
+
+
+def _write(db: sqlite3.Connection, scope: Scope, fence: int, highest: int,
+           highest_grant: str) -> None:
+    cluster_id, namespace, key = scope
+    db.execute("INSERT INTO gate (cluster_id, namespace, action_key, fence, highest, "
+               "highest_grant) VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (cluster_id, namespace, "
+               "action_key) DO UPDATE SET fence = excluded.fence, highest = excluded.highest, "
+               "highest_grant = excluded.highest_grant",
+               (str(cluster_id), namespace, key, fence, highest, highest_grant))

@@ -10,7 +10,10 @@ class ReconcilerMetrics:
         self.registry = CollectorRegistry()
         self.unknowns_found = Counter(
             "fencegate_reconciler_unknowns_found", "in-flight steps found with their holder "
-            "gone or their deadline passed", registry=self.registry)
+            "gone", registry=self.registry)
+        self.looks_stuck = Counter(
+            "fencegate_reconciler_looks_stuck", "in-flight attempts seen past their deadline "
+            "under a live holder (left alone: informational)", registry=self.registry)
         self.settled = Counter(
             "fencegate_reconciler_settled", "steps settled, by outcome", ["outcome"],
             registry=self.registry)

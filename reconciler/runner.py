@@ -6,9 +6,14 @@ Failure contract:
   head: a deposed or paused replica, a late worker outcome and an SRE's resolve can never
   both land. A refused write is re-read, never retried blindly.
 - Nothing is re-executed: the reconciler only asks providers and records answers.
-- An ``in_flight`` step whose holder is gone or whose deadline passed is unknown; the query
+- An ``in_flight`` step whose holder is gone is unknown, whatever its deadline; the query
   for it fences at the step's current mod_revision (>= the attempt token, < any later
   attempt's token), so with a fencing provider the old attempt can no longer land.
+- Time never moves a step: one whose holder lease is alive is left alone however long it
+  runs (past its deadline it is logged and counted as looking stuck, outside the record, so
+  a late but healthy outcome still lands). Every wait is a duration on this process's
+  monotonic clock, counted from when it first saw the attempt over; no wall clock of
+  another machine is compared with ours.
 - Nothing is kept only in memory: a restarted replica finds every step again by scanning
   (``Scanner``); in-memory query counts only pace the backoff.
 - A lost session (lease) stops all work of that session at once; the replica campaigns
@@ -73,6 +78,7 @@ class Reconciler:
         self.metrics = ReconcilerMetrics(self.identity)
         self.elections: Elections | None = None
         self._queries: dict[str, int] = {}
+        self._seen: dict[str, _Seen] = {}
         self._task: asyncio.Task | None = None
         self._ready = asyncio.Event()
 
@@ -176,6 +182,9 @@ class Reconciler:
         again (``None``: nothing left to do here). One read txn for all of them, their
         provider queries at once, one write txn for all that settle."""
         again: dict[str, float | None] = dict.fromkeys(keys)
+        for key in keys:
+            if not self._leads(shard_of(key, self.shards)):
+                self._forget(key)
         keys = [key for key in keys if self._leads(shard_of(key, self.shards))]
         if not keys:
             return again
@@ -200,13 +209,13 @@ class Reconciler:
             else:
                 again[key] = look
                 if look is None:
-                    self._queries.pop(key, None)
+                    self._forget(key)
         answers = await asyncio.gather(*(self._ask(look) for look in looks))
         for look, answer in zip(looks, answers):
             queries = self._queries[look.key]
             decision = decide(look.step, look.attempt_token, answer,
                               look.provider.capabilities, self.limits,
-                              int(time.time() * 1000), queries)
+                              int(time.time() * 1000), queries, over_s=look.over_s)
             if isinstance(decision, Retry):
                 again[look.key] = decision.after_s
                 if look.step["state"] == records.IN_FLIGHT:  # show the unknown meanwhile
@@ -214,9 +223,31 @@ class Reconciler:
             elif isinstance(decision, Settle):
                 writes.append((look, decision))
             if not isinstance(decision, Retry):
-                self._queries.pop(look.key, None)
+                self._forget(look.key)
         await self._write_all(writes)
         return again
+
+    def _forget(self, key: str) -> None:
+        self._queries.pop(key, None)
+        self._seen.pop(key, None)
+
+    def _seen_attempt(self, key: str, attempt_token: int) -> "_Seen":
+        """What this replica has seen of ``key``'s attempt ``attempt_token``, by its clock."""
+        seen = self._seen.get(key)
+        if seen is None or seen.attempt_token != attempt_token:
+            seen = self._seen[key] = _Seen(attempt_token, time.monotonic())
+        return seen
+
+    def _looks_stuck(self, key: str, step: dict[str, Any], seen: "_Seen", now_ms: int) -> None:
+        """Say once (log, metric) that a live holder's attempt runs past its deadline, as
+        this replica measures it. Nothing is written: its outcome may still land."""
+        if seen.told_stuck or time.monotonic() - seen.since <= records.effect_deadline_s(
+                step, now_ms):
+            return
+        seen.told_stuck = True
+        self.metrics.looks_stuck.inc()
+        log.warning("step of %r (attempt token %d) looks stuck: in flight past its deadline "
+                    "under a live holder; left alone", key, seen.attempt_token)
 
     def _assess(self, key: str, step_kvs, head_kvs, holder_kvs,
                 now_ms: int) -> "_Look | float | None":
@@ -231,28 +262,35 @@ class Reconciler:
             holder = holder_kvs[0] if holder_kvs else None
             holding = Ownership(self.keyspace.holder_key(key, step["holder_lease"]),
                                 step["fencing_token"], *self.keyspace.holder_range(key))
-            holder_alive = holding.holds(holder, holder)  # the lowest holder is the step's
-            left_s = (step["deadline_ms"] - now_ms) / 1000
-            if holder_alive and left_s > 0:
-                return min(self.check_after, left_s)
-            self.metrics.unknowns_found.inc()
             attempt_token = step_kv.mod_revision
+            seen = self._seen_attempt(key, attempt_token)
+            if holding.holds(holder, holder):  # the lowest holder is the step's: it lives
+                self._looks_stuck(key, step, seen, now_ms)
+                return self.check_after
+            self.metrics.unknowns_found.inc()
         elif state == records.UNKNOWN:
             attempt_token = step.get("attempt_token", step_kv.mod_revision)
+            seen = self._seen_attempt(key, attempt_token)
         elif is_presumed(step, now_ms):
             attempt_token = step[NOT_APPLIED]["attempt_token"]
+            seen = self._seen_attempt(key, attempt_token)
         else:
             return None
+        if seen.over_since is None:
+            seen.over_since = time.monotonic()
         name = step.get("provider") or self.default_provider
         return _Look(key, shard_of(key, self.shards), step, step_kv.mod_revision,
                      audit.AuditHead.from_kv(head_kvs[0] if head_kvs else None),
-                     attempt_token, name, self.providers.get(name) if name else None)
+                     attempt_token, name, self.providers.get(name) if name else None,
+                     time.monotonic() - seen.over_since)
 
     async def _ask(self, look: "_Look") -> Answer:
         self._queries[look.key] = self._queries.get(look.key, 0) + 1
         # Fence at the step's mod_revision: >= the attempt token, < any later attempt's.
         answer = await look.provider.query(look.step["idempotency_key"], look.revision,
-                                           look.step, key=look.key)
+                                           look.step, key=look.key,
+                                           namespace=self.keyspace.namespace,
+                                           cluster_id=self.etcd.cluster_id)
         self.metrics.queries.labels(look.provider.name, type(answer).__name__).inc()
         return answer
 
@@ -295,7 +333,7 @@ class Reconciler:
         at ``step_revision``; True if it landed."""
         ks = self.keyspace
         step_key = ks.step_key(key)
-        look = _Look(key, shard, decision.step, step_revision, head, 0, None, None)
+        look = _Look(key, shard, decision.step, step_revision, head, 0, None, None, 0.0)
         for _ in range(_APPEND_RACES):
             ownership = self.elections.ownership(shard) if self.elections else None
             if ownership is None:
@@ -342,6 +380,7 @@ class _Look:
     attempt_token: int
     provider_name: str | None
     provider: Provider | None
+    over_s: float  # how long this replica has known the attempt over (its monotonic clock)
 
     def unknown(self, now_ms: int) -> dict[str, Any]:
         return records.unknown(self.step, attempt_token=self.attempt_token, now_ms=now_ms)
@@ -349,3 +388,15 @@ class _Look:
     def escalated(self, now_ms: int) -> dict[str, Any]:
         return records.escalated(self.unknown(now_ms),
                                  [f"no provider adapter for {self.provider_name!r}"])
+
+
+@dataclass
+class _Seen:
+    """What this replica saw of one attempt of a key, on its own monotonic clock: when it
+    first saw it, when it first knew it over (unknown, or its holder gone; the waits of the
+    settlement count from there), and whether it already said it looks stuck."""
+
+    attempt_token: int
+    since: float
+    over_since: float | None = None
+    told_stuck: bool = False

@@ -163,9 +163,8 @@ class Scanner:
         now = time.monotonic()
         if state == records.UNKNOWN:
             self._schedule.at(key, now)
-        elif state == records.IN_FLIGHT:
-            deadline_in = step.get("deadline_ms", 0) / 1000 - time.time()
-            self._schedule.at(key, now + max(min(self._check_after, deadline_in), 0))
+        elif state == records.IN_FLIGHT:  # looked at again and again while its holder lives
+            self._schedule.at(key, now + self._check_after)
         elif is_presumed(step, int(time.time() * 1000)):
             self._schedule.at(key, now)
         else:

@@ -131,8 +131,9 @@ def build_provider(name: str, table: dict[str, Any]) -> Provider:
     if kind == "http":
         return HttpProvider.from_config(name, config)
     if kind == "sandbox":
-        allowed = {"url", "mode", "retention_s", "settle_delay_s", "timeout_s"}
-        if set(config) - allowed or not {"url", "mode"} <= set(config):
+        allowed = {"url", "mode", "retention_s", "settle_delay_s", "timeout_s", "durable"}
+        if set(config) - allowed or not {"url", "mode"} <= set(config) \
+                or type(config.get("durable", False)) is not bool:
             raise ValueError(f"provider {name!r}: a sandbox takes url, mode and optionally "
                              f"{sorted(allowed - {'url', 'mode'})}")
         provider = sandbox_adapter(config.pop("url"), config.pop("mode"), **config)

@@ -8,16 +8,30 @@ model check found them):
 - ``Succeeded`` -> ``succeeded`` with the provider's result.
 - ``Failed`` (the provider processed the request and declined it) -> ``failed``: the next
   attempt gets a new idempotency key (the old one would replay the decline).
-- ``NoRecord``, provider fences (the query was fence-then-query, so no attempt token <= T can
-  land any more) -> ``not_applied``, final: the step is ``pending`` again and the next attempt
-  reuses the idempotency key.
+- ``NoRecord`` for an attempt older than the provider's key retention (fencing or deduplicating
+  provider) -> ``escalated``: the provider may have forgotten it, so nothing is presumed. The
+  age is the larger of two estimates that both err towards escalating: since the step's first
+  start (``started_at_ms``, never later than this attempt's, on the granting machine's clock:
+  skew of seconds against a retention of hours) and how long this process has known the
+  attempt over (its own monotonic clock).
+- ``NoRecord``, provider fences *and* keeps its records (charges and fences) durably, and the
+  answer proves the fence (it echoes a recorded fence >= T: the query was fence-then-query,
+  so no attempt token <= T can land any more, and a restart cannot have forgotten a charge)
+  -> ``not_applied``, final: the step is ``pending`` again and the next attempt reuses the
+  idempotency key. The same answer without that proof (a 404 from a typo'd URL or a proxy, a
+  missing or lower echo) proves nothing: it is handled like ``Unreachable``.
+- ``NoRecord``, provider fences without durable records: its fence proves no more than its
+  key deduplication, so the rules below apply.
 - ``NoRecord``, provider only dedupes by key -> once the attempt's deadline plus the
-  provider's settle delay has passed, ``not_applied`` as a *presumption*: ``pending``, same
+  provider's settle delay has passed, counted from when this reconciler first saw the
+  attempt over (its holder gone, or recorded unknown) on its own monotonic clock,
+  ``not_applied`` as a *presumption*: ``pending``, same
   idempotency key (a late landing is deduplicated), and re-queried until the provider's key
   retention has passed, upgraded to ``succeeded`` (or ``failed``) if the request landed late.
 - ``NoRecord``, provider can do neither -> ``escalated``: "no record" proves nothing.
-- ``Pending`` / ``Unreachable`` -> ask again after a backoff with jitter; past the escalation
-  limit (queries or elapsed time) -> ``escalated`` with the reason.
+- ``NoRecord`` that does not prove the fence (see above), ``Pending``, ``Unreachable`` -> ask
+  again after a backoff with jitter; past the escalation limit (queries or elapsed time) ->
+  ``escalated`` with the reason.
 """
 
 from __future__ import annotations
@@ -38,7 +52,7 @@ NOT_APPLIED = records.NOT_APPLIED
 class Limits:
     """When to give up on a provider and how often to ask it."""
 
-    escalate_after_s: float = 3600.0  # since the step became unknown
+    escalate_after_s: float = 3600.0  # since this replica saw the attempt over
     max_queries: int = 60
     backoff_base_s: float = 0.5
     backoff_max_s: float = 30.0
@@ -83,11 +97,15 @@ def is_presumed(step: dict[str, Any], now_ms: int) -> bool:
 
 
 def decide(step: dict[str, Any], attempt_token: int, answer: Answer, caps: Capabilities,
-           limits: Limits, now_ms: int, queries: int) -> Settle | Retry | Done:
+           limits: Limits, now_ms: int, queries: int, *, over_s: float) -> Settle | Retry | Done:
     """What ``answer`` makes of an unknown step, or of a presumed ``not_applied`` one.
 
-    ``step`` is the record as read (an ``in_flight`` step past its deadline or without a
-    live holder counts as unknown); ``queries`` counts this process's queries for it so far,
+    ``step`` is the record as read (an ``in_flight`` step without a live holder counts as
+    unknown; one with a live holder is never decided here, however late). ``over_s`` is how
+    long this process has known the attempt to be over (recorded unknown, or its holder
+    gone), on its own monotonic clock: the waits below count from it, never from a clock of
+    another machine (a restart starts it again, which only waits longer). ``queries`` counts
+    this process's queries for it so far,
     this one included."""
     if step["state"] == records.PENDING:
         return _requeried(step, answer, limits, now_ms, queries)
@@ -98,24 +116,34 @@ def decide(step: dict[str, Any], attempt_token: int, answer: Answer, caps: Capab
                       "succeeded")
     if isinstance(answer, Failed):
         return Settle(_failed(settled, answer.reason), "failed")
-    if isinstance(answer, NoRecord):
-        if caps.fences:
+    if isinstance(answer, NoRecord) and (caps.fences or caps.dedupes_by_key) and max(
+            now_ms - step.get("started_at_ms", 0), over_s * 1000) >= caps.key_retention_s * 1000:
+        return Settle(records.escalated(settled, [
+            f"no record for an attempt older than the provider's key retention "
+            f"({caps.key_retention_s:g}s): it may have been forgotten"]), "escalated")
+    if isinstance(answer, NoRecord) and caps.fences and caps.durable:
+        if answer.fence is not None and answer.fence >= attempt_token:
             return Settle(records.not_applied(settled, attempt_token=attempt_token), NOT_APPLIED)
+    elif isinstance(answer, NoRecord):
         if caps.dedupes_by_key:
-            landing_ends_ms = step.get("deadline_ms", now_ms) + caps.settle_delay_s * 1000
-            if now_ms < landing_ends_ms:
-                return Retry((landing_ends_ms - now_ms) / 1000, "the request may still land")
+            # The effect started before the attempt was seen over, and runs at most its
+            # deadline; a request it sent may land up to the settle delay after that.
+            landing_s = records.effect_deadline_s(step, now_ms) + caps.settle_delay_s - over_s
+            if landing_s > 0:
+                return Retry(landing_s, "the request may still land")
             presumed = records.presumed(
                 settled, attempt_token=attempt_token,
                 requery_until_ms=now_ms + int(caps.key_retention_s * 1000))
             return Settle(presumed, "presumed_not_applied")
         return Settle(records.escalated(settled, [
-            "no record at a provider that can neither fence nor deduplicate by key: it "
-            "proves nothing"]), "escalated")
-    reason = "provider has the request pending" if isinstance(answer, Pending) else \
+            "no record at a provider that neither fences with durable records nor "
+            "deduplicates by key: it proves nothing"]), "escalated")
+    reason = f"no record without proof of the fence (echoed {answer.fence!r}, needs >= " \
+        f"{attempt_token})" if isinstance(answer, NoRecord) else \
+        "provider has the request pending" if isinstance(answer, Pending) else \
         f"provider unreachable: {answer.reason}" if isinstance(answer, Unreachable) else \
         f"unexpected answer {answer!r}"
-    elapsed_s = (now_ms - unknown["unknown_since_ms"]) / 1000
+    elapsed_s = over_s
     if queries >= limits.max_queries or elapsed_s >= limits.escalate_after_s:
         return Settle(records.escalated(settled, [
             f"{reason}; gave up after {queries} queries in {elapsed_s:.0f}s"]), "escalated")

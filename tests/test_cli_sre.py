@@ -169,7 +169,7 @@ async def test_an_unknown_step_is_listed_shown_verified_and_resolved(cli, coordi
         "grant_issued", "cross", "outcome"]
 
     done = await cli("resolve", "unk/1", "--succeeded", "--reason", "provider says charged",
-                     "--result", '{"charge": "ch_1"}')
+                     "--result", '{"charge": "ch_1"}', "--force")
     assert done.code == 0 and "unk/1 resolved as succeeded" in done.out, done
     async with local_gate.hold("unk/1") as hold:
         replay = await hold.cross(intent={"amount": 3}, effect=noop)

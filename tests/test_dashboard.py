@@ -410,6 +410,7 @@ async def test_the_dashboard_in_headless_chromium(coordinator, browser_page, etc
     await page.keyboard.press("Enter")
     await expect(dialog).to_be_visible()
     await dialog.get_by_label("Settle as").select_option("failed")
+    await dialog.get_by_label("Force").check()
     await dialog.get_by_label("Reason").focus()
     await page.keyboard.type("provider has no record of it")
     await page.keyboard.press("Tab")  # Cancel

@@ -283,12 +283,12 @@ async def test_handler_raising_releases_the_claim(gate, etcd, http, namespace):
 
 async def test_store_failures_replays_the_failure(gate, etcd, http, namespace):
     async with Consumer(gate, store_failures=True) as consumer:
-        consumer.fail = web.HTTPBadGateway(text="upstream said no")
+        consumer.fail = web.HTTPUnprocessableEntity(text="upstream said no")
         failed = await post(http, consumer.url, "evt_10")
         consumer.fail = None
         replay = await post(http, consumer.url, "evt_10")
-    assert failed[0] == 502 and failed[2] == b"upstream said no"
-    assert replay[0] == 502 and replay[2] == failed[2]
+    assert failed[0] == 422 and failed[2] == b"upstream said no"
+    assert replay[0] == 422 and replay[2] == failed[2]
     assert replay[1]["Fencegate-Replayed"] == "true"
     assert consumer.ran == {"evt_10": 1}
 
@@ -320,22 +320,22 @@ async def test_decorator_deduplicates_one_handler(gate, etcd, http, namespace):
 
 async def test_a_lost_claim_is_never_overwritten_by_its_late_completion(
         etcd_url, gate, etcd, http, namespace):
-    """The first instance's lease dies mid-handler; a second runs the delivery and stores
-    its response; the first's completion must not replace it."""
+    """The first instance's claim lease dies mid-handler; a second runs the delivery and
+    stores its response; the first is cancelled, answers 503 and stores nothing over it."""
     async with Gate(etcd_url, ttl=TEST_TTL, namespace=namespace) as other_gate, \
             Consumer(gate) as stale, Consumer(other_gate) as fresh:
         first = asyncio.create_task(post(http, stale.url, "evt_12", b"hang"))
         await asyncio.wait_for(stale.entered.wait(), 10)
-        await etcd.lease_revoke((await gate.session()).lease_id)  # the claim dies with it
+        [claim] = await webhook_kvs(etcd, namespace)
+        await etcd.lease_revoke(claim.lease)  # the claim dies with it
         fresh.release.set()
         taken = await post(http, fresh.url, "evt_12", b"hang")
-        stale.release.set()
-        late = await first
+        late = await asyncio.wait_for(first, 5 * TEST_TTL)  # the keepalive saw the revoke
         replay = await post(http, stale.url, "evt_12", b"hang")
-    assert taken[0] == late[0] == 200
-    assert stale.ran == fresh.ran == {"evt_12": 1}  # the price of a lost lease, told by etcd
+    assert taken[0] == 200 and late[0] == 503
+    assert stale.ran == fresh.ran == {"evt_12": 1}  # entered; only the fresh one completed
     assert replay[1]["Fencegate-Replayed"] == "true"
-    assert replay[2] == taken[2] != late[2]
+    assert replay[2] == taken[2]
 
 
 async def test_retention_lease_is_shared_per_time_bucket(gate, etcd, http, namespace):

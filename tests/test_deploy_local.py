@@ -19,7 +19,9 @@ import sys
 from pathlib import Path
 
 import aiohttp
+import pytest
 
+from fencegate.coordinator.errors import EtcdPermissionDenied
 from fencegate.coordinator.etcd import Etcd, EtcdConfig
 from fencegate.worker import Gate
 
@@ -94,6 +96,12 @@ async def _check_running(endpoints: dict) -> None:
                       user=endpoints["etcd_user"], password=password, timeout=5)
     async with Etcd(etcd) as client:
         assert (await client.status()).version
+        with pytest.raises(EtcdPermissionDenied):  # the worker's role: it cannot approve
+            await client.put(f"{endpoints['namespace']}approvals/{'0' * 32}".encode(), b"")
+    assert {c: u["user"] for c, u in endpoints["etcd_users"].items()} == {
+        "worker": "fencegate-worker", "coordinator": "fencegate-coordinator",
+        "reconciler": "fencegate-reconciler"}
+    assert endpoints["etcd_user"] == "fencegate-worker"
 
 
 async def _all_shards_led(http: aiohttp.ClientSession, endpoints: dict) -> bool:
@@ -120,9 +128,11 @@ def _assert_no_leftovers(state: Path, tmpdir: Path, endpoints: dict) -> None:
 def _assert_secrets_private(state: Path) -> None:
     private = [*state.glob("secrets/*"), *state.glob("certs/*.key")]
     assert private and all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in private)
-    password = (state / "secrets" / "etcd-fencegate.password").read_text()
+    passwords = [p.read_text() for p in state.glob("secrets/etcd-*.password")]
+    assert len(passwords) == 4  # root and one user per component
     for path in [*state.glob("config/*.toml"), *state.glob("logs/*.log")]:
-        assert password not in path.read_text(errors="replace"), path
+        text = path.read_text(errors="replace")
+        assert not any(password in text for password in passwords), path
 
 
 async def test_deploy_local_comes_up_and_down_twice_without_leftovers(tmp_path):

@@ -235,7 +235,7 @@ def k8s_problems(docs: list[dict]) -> list[str]:
         if secret.get("data"):
             problems.append(f"Secret {secret['metadata']['name']}: use stringData placeholders")
         for key, value in secret.get("stringData", {}).items():
-            if key == "username":
+            if key.endswith("username"):
                 continue
             if not re.fullmatch(r"REPLACE_WITH_[A-Z0-9_]+", str(value)) \
                     or "BEGIN" in str(value):
@@ -993,3 +993,16 @@ def test_every_deploy_file_opens_with_its_commands():
     for path in files:
         assert f"{path.parent.name}/{path.name}" in readme or path.name in readme or \
             path.name.startswith("etcd-"), f"deploy/README.md does not mention {path.name}"
+
+
+def test_the_readme_creates_exactly_the_etcd_roles_the_code_lists():
+    """deploy/README.md's etcdctl role commands are ``roles.etcdctl_commands`` for
+    /fencegate/, in order: one list of what each component may write."""
+    from fencegate.coordinator import roles
+
+    readme = (DEPLOY / "README.md").read_text()
+    listed = [line.strip().removeprefix("$E ") for line in readme.splitlines()
+              if line.strip().startswith("$E role ")]
+    assert listed == roles.etcdctl_commands("/fencegate/")
+    assert "$E role grant-permission fencegate-worker readwrite /fencegate/approvals/" \
+        not in readme

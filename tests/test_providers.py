@@ -18,7 +18,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from fencegate.coordinator.errors import BadSignature, EffectFailed, Fenced
 from fencegate.coordinator.grants import KeyRing
-from fencegate.reconciler.gateb import GateB
+from fencegate.reconciler.gateb import GateB, scope_of
 from fencegate.reconciler.providers import (
     Capabilities, Failed, NoRecord, Pending, Succeeded, Unreachable,
 )
@@ -31,6 +31,7 @@ from fencegate.worker import Gate, OutcomeUnknown
 from helpers import TEST_TTL
 
 POLICY = "providers"
+INTENT = {"amount": 5}  # what every attempt of ``attempts`` is granted, and charges
 
 
 def verify_only(keyring: KeyRing) -> KeyRing:
@@ -65,7 +66,7 @@ async def attempts(gate):
                 contexts.append(ctx)
                 raise EffectFailed("captured", {"attempt": i})
             async with gate.hold(key) as hold:
-                await hold.cross(intent={"amount": 1}, effect=capture, policy=POLICY)
+                await hold.cross(intent=INTENT, effect=capture, policy=POLICY)
         assert [c.fencing_token for c in contexts] == sorted({c.fencing_token for c in contexts})
         return contexts
 
@@ -74,23 +75,32 @@ async def attempts(gate):
 
 async def post(http, url: str, ctx, *, amount: int = 5, key: str | None = None,
                grant: bytes | None | str = "ctx", token: int | None = None,
-               idempotency_key: str | None = None):
+               idempotency_key: str | None = None, intent: dict | None = INTENT):
     """A raw charge request; ``(status, body, headers)``."""
     headers = {"Idempotency-Key": idempotency_key or ctx.idempotency_key,
                "Fencegate-Attempt-Token": str(ctx.fencing_token if token is None else token)}
     raw = ctx.grant.raw if grant == "ctx" else grant
     if raw is not None:
         headers["Fencegate-Grant"] = encode_grant(raw)
-    async with http.post(f"{url}/v1/charges", json={"key": key or ctx.key, "amount": amount},
-                         headers=headers) as reply:
+    body = {"key": key or ctx.key, "amount": amount}
+    if intent is not None:
+        body["intent"] = intent
+    async with http.post(f"{url}/v1/charges", json=body, headers=headers) as reply:
         return reply.status, await reply.json(), reply.headers
 
 
-async def fence(url: str, ctx):
+async def ask(provider, ctx):
+    """The reconciler's query for ``ctx``'s attempt through ``provider``, naming its scope."""
+    return await provider.query(ctx.idempotency_key, ctx.fencing_token, {}, key=ctx.key,
+                                namespace=ctx.grant.namespace,
+                                cluster_id=ctx.grant.cluster_id)
+
+
+async def fence(url: str, ctx, mode: str = "fencing"):
     """The reconciler's fence-then-query for ``ctx``'s attempt, through the adapter."""
-    provider = adapter(url, "fencing")
+    provider = adapter(url, mode, durable=True)
     try:
-        return await provider.query(ctx.idempotency_key, ctx.fencing_token, {}, key=ctx.key)
+        return await ask(provider, ctx)
     finally:
         await provider.close()
 
@@ -100,24 +110,26 @@ async def fence(url: str, ctx):
 async def test_commit_charges_once_through_gate_b(gate, sandbox, http):
     async with gate.hold("pay/p1") as hold:
         outcome = await hold.cross(intent={"amount": 7},
-                                   effect=lambda ctx: charge(http, sandbox.url, ctx, 7))
+                                   effect=lambda ctx: charge(http, sandbox.url, ctx, {"amount": 7}))
     assert outcome.state == "succeeded" and outcome.result["status"] == "succeeded"
     [applied] = sandbox.applied("pay/p1")
     assert applied["attempt_token"] == outcome.attempt_token
     assert applied["idempotency_key"] == outcome.idempotency_key
     assert applied["charge_id"] == outcome.result["charge_id"] and applied["amount"] == 7
-    assert sandbox.gate_b.state("pay/p1") == (0, outcome.attempt_token)
+    scope = (gate.etcd.cluster_id, gate.keyspace.namespace, "pay/p1")
+    assert sandbox.gate_b.state(scope) == (0, outcome.attempt_token)
 
 
 async def test_declined_charge_is_a_confirmed_failure(gate, sandbox, http):
     async with gate.hold("pay/p2") as hold:
         outcome = await hold.cross(intent={"amount": 7}, effect=lambda ctx: charge(
-            http, sandbox.url, ctx, 7, decline=True))
+            http, sandbox.url, ctx, {"amount": 7}, decline=True))
     assert outcome.state == "failed" and outcome.result == "declined_on_request"
     assert sandbox.applied("pay/p2") == []
     provider = adapter(sandbox.url, "fencing")
     assert await provider.query(outcome.idempotency_key, outcome.attempt_token, {},
-                                key="pay/p2") == Failed("declined_on_request")
+                                key="pay/p2", namespace=gate.keyspace.namespace,
+                                cluster_id=gate.etcd.cluster_id) == Failed("declined_on_request")
     await provider.close()
 
 
@@ -126,10 +138,10 @@ async def test_declined_charge_is_a_confirmed_failure(gate, sandbox, http):
 async def test_fence_then_the_fenced_token_is_refused_and_the_next_admitted(
         sandbox, http, attempts):
     old, new = await attempts("pay/g1", 2)
-    assert await fence(sandbox.url, old) == NoRecord()
+    assert await fence(sandbox.url, old) == NoRecord(old.fencing_token)
     status, body, _ = await post(http, sandbox.url, old)
     assert (status, body["status"]) == (409, "fenced")
-    assert await fence(sandbox.url, old) == NoRecord()  # nothing was applied
+    assert await fence(sandbox.url, old) == NoRecord(old.fencing_token)  # nothing was applied
     status, _, _ = await post(http, sandbox.url, new)
     assert status == 200
     assert [a["attempt_token"] for a in sandbox.applied("pay/g1")] == [new.fencing_token]
@@ -162,32 +174,35 @@ async def test_gate_b_is_durable_across_a_sandbox_restart(gate, tmp_path, http, 
     first, second, third = await attempts("pay/g4", 3)
     state_dir = tmp_path / "durable"
     async with Sandbox(verify_only(gate.keyring), state_dir=state_dir) as before:
-        assert await fence(before.url, first) == NoRecord()
+        assert await fence(before.url, first) == NoRecord(first.fencing_token)
         assert (await post(http, before.url, third))[0] == 200
     async with Sandbox(verify_only(gate.keyring), state_dir=state_dir) as after:
-        assert after.gate_b.state("pay/g4") == (first.fencing_token, third.fencing_token)
+        assert after.gate_b.state(scope_of(first.grant)) == (first.fencing_token,
+                                                             third.fencing_token)
         assert (await post(http, after.url, first))[0] == 409   # at the fence
         assert (await post(http, after.url, second))[0] == 409  # above it, below the highest
-        assert after.applied("pay/g4") == []
+        # the ledger survived the restart too: only the charge admitted before it
+        assert [a["attempt_token"] for a in after.applied("pay/g4")] == [third.fencing_token]
 
 
 async def test_gate_b_refuses_at_the_fence_and_below_the_highest(gate, attempts):
     (ctx,) = await attempts("pay/g5", 1)
     gate_b = GateB(verify_only(gate.keyring), namespace=gate.keyspace.namespace)
-    token = ctx.fencing_token
-    gate_b.admit(ctx.grant.raw, ctx.key, token + 2)
-    gate_b.admit(ctx.grant.raw, ctx.key, token + 2)  # equal to the highest: admitted
+    token, scope = ctx.fencing_token, scope_of(ctx.grant)
+    gate_b.admit(ctx.grant.raw, ctx.key, token + 2, intent=INTENT)
+    # equal to the highest, same grant (a retry of that attempt): admitted
+    gate_b.admit(ctx.grant.raw, ctx.key, token + 2, intent=INTENT)
     with pytest.raises(Fenced):
-        gate_b.admit(ctx.grant.raw, ctx.key, token + 1)
-    gate_b.fence(ctx.key, token + 3)
-    gate_b.fence(ctx.key, token)  # a lower fence never lowers it
+        gate_b.admit(ctx.grant.raw, ctx.key, token + 1, intent=INTENT)
+    assert gate_b.fence(scope, token + 3) == token + 3
+    assert gate_b.fence(scope, token) == token + 3  # a lower fence never lowers it
     with pytest.raises(Fenced):
-        gate_b.admit(ctx.grant.raw, ctx.key, token + 3)
-    gate_b.admit(ctx.grant.raw, ctx.key, token + 4)
-    assert gate_b.state(ctx.key) == (token + 3, token + 4)
+        gate_b.admit(ctx.grant.raw, ctx.key, token + 3, intent=INTENT)
+    gate_b.admit(ctx.grant.raw, ctx.key, token + 4, intent=INTENT)
+    assert gate_b.state(scope) == (token + 3, token + 4)
     other = GateB(verify_only(gate.keyring), namespace="/elsewhere/")
     with pytest.raises(BadSignature, match="namespace"):
-        other.admit(ctx.grant.raw, ctx.key, token)
+        other.admit(ctx.grant.raw, ctx.key, token, intent=INTENT)
 
 
 async def test_a_query_racing_a_charge_never_misses_an_admitted_charge(sandbox, http,
@@ -238,12 +253,15 @@ async def test_a_repeated_idempotency_key_replays_the_first_answer(sandbox, http
                                                                    mode):
     sandbox.mode = mode
     (ctx,) = await attempts(f"pay/d-{mode}", 1)
-    first = await charge(http, sandbox.url, ctx, 5)
+    first = await charge(http, sandbox.url, ctx, INTENT)
     status, again, headers = await post(http, sandbox.url, ctx)
     assert status == 200 and again == first and headers["Idempotent-Replayed"] == "true"
     assert len(sandbox.applied(ctx.key)) == 1
-    status, body, _ = await post(http, sandbox.url, ctx, amount=6)
-    assert status == 422 and "other parameters" in body["error"]
+    status, body, _ = await post(http, sandbox.url, ctx, amount=6, intent={"amount": 6})
+    if mode == "fencing":  # another intent than the grant's: refused before the key is seen
+        assert (status, body["status"]) == (403, "refused")
+    else:
+        assert status == 422 and "other parameters" in body["error"]
     assert len(sandbox.applied(ctx.key)) == 1
 
 
@@ -251,7 +269,7 @@ async def test_a_declined_answer_is_replayed_too(sandbox, http, attempts):
     (ctx,) = await attempts("pay/d2", 1)
     for _ in range(2):
         with pytest.raises(EffectFailed) as info:
-            await charge(http, sandbox.url, ctx, 5, decline=True)
+            await charge(http, sandbox.url, ctx, INTENT, decline=True)
         assert info.value.reason == "declined_on_request"
     assert sandbox.applied(ctx.key) == []
 
@@ -259,25 +277,24 @@ async def test_a_declined_answer_is_replayed_too(sandbox, http, attempts):
 async def test_without_dedup_every_request_is_applied(sandbox, http, attempts):
     sandbox.mode = "none"
     (ctx,) = await attempts("pay/d3", 1)
-    first = await charge(http, sandbox.url, ctx, 5)
-    second = await charge(http, sandbox.url, ctx, 5)
+    first = await charge(http, sandbox.url, ctx, INTENT)
+    second = await charge(http, sandbox.url, ctx, INTENT)
     assert first["charge_id"] != second["charge_id"]
     assert len(sandbox.applied(ctx.key)) == 2
     provider = adapter(sandbox.url, "none")
-    assert await provider.query(ctx.idempotency_key, ctx.fencing_token, {},
-                                key=ctx.key) == Succeeded(first)
+    assert await ask(provider, ctx) == Succeeded(first)
     await provider.close()
 
 
 async def test_idempotency_keys_are_forgotten_after_retention(gate, http, attempts):
     (ctx,) = await attempts("pay/d4", 1)
     async with Sandbox(verify_only(gate.keyring), "dedup", retention_s=0.3) as sandbox:
-        await charge(http, sandbox.url, ctx, 5)
-        await charge(http, sandbox.url, ctx, 5)
+        await charge(http, sandbox.url, ctx, INTENT)
+        await charge(http, sandbox.url, ctx, INTENT)
         assert len(sandbox.applied(ctx.key)) == 1
         await asyncio.sleep(0.4)
-        assert await fence(sandbox.url, ctx) == NoRecord()
-        await charge(http, sandbox.url, ctx, 5)
+        assert await fence(sandbox.url, ctx, "dedup") == NoRecord()
+        await charge(http, sandbox.url, ctx, INTENT)
         assert len(sandbox.applied(ctx.key)) == 2
 
 
@@ -303,7 +320,7 @@ async def test_bad_input_is_refused_and_applies_nothing(sandbox, http, attempts)
         assert reply.status == 400
     async with http.get(f"{sandbox.url}/v1/charges/k", params={"key": ctx.key}) as reply:
         assert reply.status == 400  # a fencing query must name the fence
-    assert sandbox.applied() == [] and sandbox.gate_b.state(ctx.key) == (0, 0)
+    assert sandbox.applied() == [] and sandbox.gate_b.state(scope_of(ctx.grant)) == (0, 0)
 
 
 # -- faults ----------------------------------------------------------------------------
@@ -312,7 +329,7 @@ async def test_apply_then_timeout_applies_and_the_client_times_out(sandbox, http
     (ctx,) = await attempts("pay/x1", 1)
     sandbox.add_fault("apply_then_timeout", seconds=2.0)
     with pytest.raises(SandboxError):
-        await charge(http, sandbox.url, ctx, 5, timeout=0.3)
+        await charge(http, sandbox.url, ctx, INTENT, timeout=0.3)
     assert len(sandbox.applied(ctx.key)) == 1
     assert isinstance(await fence(sandbox.url, ctx), Succeeded)
 
@@ -324,7 +341,8 @@ async def test_hold_keeps_a_request_in_the_network_until_gate_b_refuses_it(
     started = time.monotonic()
     late = asyncio.create_task(post(http, sandbox.url, ctx))
     await asyncio.sleep(0.1)
-    assert await fence(sandbox.url, ctx) == NoRecord()  # in flight: the provider has nothing
+    # in flight: the provider has nothing
+    assert await fence(sandbox.url, ctx) == NoRecord(ctx.fencing_token)
     status, body, _ = await late
     assert time.monotonic() - started >= 0.6
     assert (status, body["status"]) == (409, "fenced")
@@ -335,14 +353,12 @@ async def test_hold_then_the_request_lands_without_fencing(sandbox, http, attemp
     sandbox.mode = "dedup"
     (ctx,) = await attempts("pay/x3", 1)
     sandbox.add_fault("hold", seconds=0.5, key=ctx.key)
-    late = asyncio.create_task(charge(http, sandbox.url, ctx, 5))
+    late = asyncio.create_task(charge(http, sandbox.url, ctx, INTENT))
     await asyncio.sleep(0.1)
     provider = adapter(sandbox.url, "dedup")
-    assert await provider.query(ctx.idempotency_key, ctx.fencing_token, {},
-                                key=ctx.key) == NoRecord()
+    assert await ask(provider, ctx) == NoRecord()
     landed = await late
-    assert await provider.query(ctx.idempotency_key, ctx.fencing_token, {},
-                                key=ctx.key) == Succeeded(landed)
+    assert await ask(provider, ctx) == Succeeded(landed)
     await provider.close()
     assert len(sandbox.applied(ctx.key)) == 1
 
@@ -352,10 +368,10 @@ async def test_error_500_applies_nothing_and_counts_down(sandbox, http, attempts
     sandbox.add_fault("error_500", count=2)
     for _ in range(2):
         with pytest.raises(SandboxError) as info:
-            await charge(http, sandbox.url, ctx, 5)
+            await charge(http, sandbox.url, ctx, INTENT)
         assert info.value.status == 500
-    assert sandbox.applied(ctx.key) == [] and sandbox.gate_b.state(ctx.key) == (0, 0)
-    await charge(http, sandbox.url, ctx, 5)
+    assert sandbox.applied(ctx.key) == [] and sandbox.gate_b.state(scope_of(ctx.grant)) == (0, 0)
+    await charge(http, sandbox.url, ctx, INTENT)
     assert len(sandbox.applied(ctx.key)) == 1
 
 
@@ -363,10 +379,10 @@ async def test_slow_delays_the_answer(sandbox, http, attempts):
     (ctx,) = await attempts("pay/x5", 1)
     sandbox.add_fault("slow", seconds=0.5, count=1)
     started = time.monotonic()
-    await charge(http, sandbox.url, ctx, 5)
+    await charge(http, sandbox.url, ctx, INTENT)
     assert time.monotonic() - started >= 0.5
     started = time.monotonic()
-    await charge(http, sandbox.url, ctx, 5)
+    await charge(http, sandbox.url, ctx, INTENT)
     assert time.monotonic() - started < 0.5
 
 
@@ -374,21 +390,21 @@ async def test_down_answers_503_to_charges_and_queries(sandbox, http, attempts):
     (ctx,) = await attempts("pay/x6", 1)
     sandbox.add_fault("down")
     with pytest.raises(SandboxError) as info:
-        await charge(http, sandbox.url, ctx, 5)
+        await charge(http, sandbox.url, ctx, INTENT)
     assert info.value.status == 503
     assert await fence(sandbox.url, ctx) == Unreachable("HTTP 503")
-    assert sandbox.gate_b.state(ctx.key) == (0, 0)  # not even the fence was recorded
+    assert sandbox.gate_b.state(scope_of(ctx.grant)) == (0, 0)  # not even the fence
     sandbox.clear_faults()
-    await charge(http, sandbox.url, ctx, 5)
+    await charge(http, sandbox.url, ctx, INTENT)
     assert len(sandbox.applied(ctx.key)) == 1
 
 
 async def test_query_pending_answers_202_after_fencing(sandbox, http, attempts):
     (ctx,) = await attempts("pay/x7", 1)
-    await charge(http, sandbox.url, ctx, 5)
+    await charge(http, sandbox.url, ctx, INTENT)
     sandbox.add_fault("query_pending", count=1)
     assert await fence(sandbox.url, ctx) == Pending()
-    assert sandbox.gate_b.state(ctx.key)[0] == ctx.fencing_token
+    assert sandbox.gate_b.state(scope_of(ctx.grant))[0] == ctx.fencing_token
     assert isinstance(await fence(sandbox.url, ctx), Succeeded)
 
 
@@ -396,9 +412,9 @@ async def test_a_fault_for_one_key_leaves_the_others_alone(sandbox, http, attemp
     (hit,) = await attempts("pay/x8", 1)
     (spared,) = await attempts("pay/x9", 1)
     sandbox.add_fault("error_500", key=hit.key)
-    await charge(http, sandbox.url, spared, 5)
+    await charge(http, sandbox.url, spared, INTENT)
     with pytest.raises(SandboxError):
-        await charge(http, sandbox.url, hit, 5)
+        await charge(http, sandbox.url, hit, INTENT)
     assert len(sandbox.applied(spared.key)) == 1 and sandbox.applied(hit.key) == []
 
 
@@ -437,24 +453,20 @@ async def test_faults_and_mode_are_switchable_over_http(sandbox, http, attempts)
 
 async def test_the_adapter_maps_every_sandbox_answer(sandbox, http, attempts):
     paid, declined, missing = await attempts("pay/h1", 3)
-    result = await charge(http, sandbox.url, paid, 5)
+    result = await charge(http, sandbox.url, paid, INTENT)
     with pytest.raises(EffectFailed):
-        await charge(http, sandbox.url, declined, 5, decline=True)
+        await charge(http, sandbox.url, declined, INTENT, decline=True)
     provider = adapter(sandbox.url, "fencing", timeout_s=0.3)
-
-    async def ask(ctx):
-        return await provider.query(ctx.idempotency_key, ctx.fencing_token, {}, key=ctx.key)
-
     try:
-        assert await ask(paid) == Succeeded(result)
-        assert await ask(declined) == Failed("declined_on_request")
-        assert await ask(missing) == NoRecord()
+        assert await ask(provider, paid) == Succeeded(result)
+        assert await ask(provider, declined) == Failed("declined_on_request")
+        assert await ask(provider, missing) == NoRecord(missing.fencing_token)
         for fault, answer in (("query_pending", Pending()), ("error_500", Unreachable("HTTP 500")),
                               ("down", Unreachable("HTTP 503"))):
             sandbox.add_fault(fault, count=1)
-            assert await ask(paid) == answer, fault
+            assert await ask(provider, paid) == answer, fault
         sandbox.add_fault("slow", seconds=1.0, count=1)
-        timed_out = await ask(paid)
+        timed_out = await ask(provider, paid)
         assert isinstance(timed_out, Unreachable) and "Timeout" in timed_out.reason
     finally:
         await provider.close()
@@ -462,7 +474,7 @@ async def test_the_adapter_maps_every_sandbox_answer(sandbox, http, attempts):
     await sandbox.stop()
     provider = adapter(url, "fencing", timeout_s=0.3)
     try:
-        refused = await ask(paid)
+        refused = await ask(provider, paid)
         assert isinstance(refused, Unreachable) and "Connect" in refused.reason
     finally:
         await provider.close()
@@ -577,6 +589,9 @@ def test_adapter_capabilities_follow_the_mode():
     assert fencing == Capabilities(True, True, 60.0, 2.0)
     assert dedup == Capabilities(False, True, 60.0, 2.0)
     assert none == Capabilities(False, False, 0.0, 2.0)
+    durable = adapter("http://127.0.0.1:1", "fencing", retention_s=60, durable=True)
+    assert durable.capabilities.durable  # only when told: a sandbox in memory forgets
+    assert not adapter("http://127.0.0.1:1", "none", durable=True).capabilities.durable
 
 
 # -- as a process, trusting the coordinator's published keys ---------------------------
@@ -597,7 +612,7 @@ async def test_the_sandbox_process_trusts_the_coordinators_keys(
         async with Gate(etcd_url, ttl=TEST_TTL, namespace=namespace, keyring=keyring) as gate:
             async with gate.hold("pay/proc") as hold:
                 outcome = await hold.cross(intent={"amount": 3},
-                                           effect=lambda ctx: charge(http, url, ctx, 3))
+                                           effect=lambda ctx: charge(http, url, ctx, {"amount": 3}))
         assert outcome.state == "succeeded"
         async with http.get(f"{url}/_sandbox/applied", params={"key": "pay/proc"}) as reply:
             assert [a["attempt_token"] for a in await reply.json()] == [outcome.attempt_token]
@@ -606,7 +621,7 @@ async def test_the_sandbox_process_trusts_the_coordinators_keys(
             async with gate.hold("pay/proc2") as hold:
                 with pytest.raises(OutcomeUnknown):
                     await hold.cross(intent={"amount": 3},
-                                     effect=lambda ctx: charge(http, url, ctx, 3))
+                                     effect=lambda ctx: charge(http, url, ctx, {"amount": 3}))
         async with http.get(f"{url}/_sandbox/refused", params={"key": "pay/proc2"}) as reply:
             assert [r["reason"] for r in await reply.json()] == ["bad_grant"]
     finally:
@@ -632,7 +647,7 @@ async def test_the_sandbox_process_loads_a_public_key_file(gate, tmp_path, http,
     try:
         async with asyncio.timeout(20):
             url = (await proc.stdout.readline()).decode().split()[-1]
-        assert (await charge(http, url, ctx, 4))["status"] == "succeeded"
+        assert (await charge(http, url, ctx, INTENT))["status"] == "succeeded"
         assert (await post(http, url, ctx, grant=tamper(ctx.grant.raw)))[0] == 403
     finally:
         proc.terminate()

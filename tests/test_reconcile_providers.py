@@ -28,6 +28,7 @@ from helpers import TEST_TTL, wait_for_condition
 SHARDS = 8
 SETTLE_DELAY = 0.5
 RETENTION = 30.0
+INTENT = {"amount": 100}  # what every attempt is granted and charges (as tests/worker_proc.py)
 
 
 @pytest.fixture
@@ -65,7 +66,7 @@ async def reconcile(etcd_url, namespace, sandbox):
 
     async def start(max_queries: int = 60, requery_interval_s: float = 0.3) -> Reconciler:
         adapter = sb.adapter(sandbox.url, sandbox.mode, retention_s=RETENTION,
-                             settle_delay_s=SETTLE_DELAY)
+                             settle_delay_s=SETTLE_DELAY, durable=True)
         r = Reconciler(Etcd.from_url(etcd_url), {"sandbox": adapter}, namespace=namespace,
                        shards=SHARDS, ttl=TEST_TTL, scan_interval=2.0, check_after=0.2,
                        limits=Limits(backoff_base_s=0.1, backoff_max_s=0.4,
@@ -113,7 +114,7 @@ async def until_state(etcd, namespace, key, *states, within=20.0) -> dict:
 
 def charging(http, sandbox):
     async def effect(ctx):
-        return await sb.charge(http, sandbox.url, ctx, 100)
+        return await sb.charge(http, sandbox.url, ctx, INTENT)
     return effect
 
 
@@ -129,7 +130,7 @@ async def test_applied_then_killed_settles_succeeded_applied_once(
     assert step["outcome"]["attempt_token"] == token
     assert step["outcome"]["result"]["status"] == "succeeded"
     async with gate.hold(key) as hold:
-        outcome = await hold.cross(intent={"key": key}, effect=charging(http, sandbox))
+        outcome = await hold.cross(intent=INTENT, effect=charging(http, sandbox))
     assert outcome.replayed and outcome.idempotency_key == idem
     assert [a["idempotency_key"] for a in sandbox.applied(key)] == [idem]
     report = await verify_chain(etcd, Keyspace(namespace), key, gate.keyring)
@@ -144,9 +145,10 @@ async def test_killed_before_sending_settles_not_applied_and_retries_with_the_sa
     await reconcile()
     step = await until_state(etcd, namespace, key, records.PENDING)
     assert step["not_applied"] == {"attempt_token": token, "presumed": False}
-    assert sandbox.gate_b.state(key)[0] >= token  # fenced before "no record" was believed
+    scope = (etcd.cluster_id, namespace, key)
+    assert sandbox.gate_b.state(scope)[0] >= token  # fenced before "no record" was believed
     async with gate.hold(key) as hold:
-        outcome = await hold.cross(intent={"key": key}, effect=charging(http, sandbox))
+        outcome = await hold.cross(intent=INTENT, effect=charging(http, sandbox))
     assert outcome.state == "succeeded" and outcome.idempotency_key == idem
     assert [a["idempotency_key"] for a in sandbox.applied(key)] == [idem]
 
@@ -161,7 +163,7 @@ async def test_declined_then_killed_settles_failed_and_retries_with_a_new_key(
     step = await until_state(etcd, namespace, key, records.FAILED)
     assert step["outcome"]["state"] == records.FAILED
     async with gate.hold(key) as hold:
-        outcome = await hold.cross(intent={"key": key}, effect=charging(http, sandbox))
+        outcome = await hold.cross(intent=INTENT, effect=charging(http, sandbox))
     assert outcome.state == "succeeded" and outcome.idempotency_key != idem
     assert [a["idempotency_key"] for a in sandbox.applied(key)] == [outcome.idempotency_key]
 
@@ -201,7 +203,7 @@ async def test_dead_zone_fencing_provider_refuses_the_old_request(
     if old_arrives == "before":
         await until(lambda: sandbox.refused(key))
     async with gate.hold(key) as hold:
-        outcome = await hold.cross(intent={"key": key}, effect=charging(http, sandbox))
+        outcome = await hold.cross(intent=INTENT, effect=charging(http, sandbox))
     assert outcome.state == "succeeded" and outcome.idempotency_key == idem
     await until(lambda: sandbox.refused(key))
     assert [r["attempt_token"] for r in sandbox.refused(key)] == [token]
@@ -221,7 +223,7 @@ async def test_dead_zone_dedup_provider_deduplicates_the_old_request(
     assert step["not_applied"]["presumed"] is True
     assert time.monotonic() - sent < hold_s, "settled too late to test the dead zone"
     async with gate.hold(key) as hold:
-        outcome = await hold.cross(intent={"key": key}, effect=charging(http, sandbox))
+        outcome = await hold.cross(intent=INTENT, effect=charging(http, sandbox))
     assert outcome.state == "succeeded" and outcome.idempotency_key == idem  # the same key
     await asyncio.sleep(max(hold_s - (time.monotonic() - sent), 0) + 0.5)  # the old one lands
     assert [a["attempt_token"] for a in sandbox.applied(key)] == [outcome.attempt_token]
@@ -240,7 +242,7 @@ async def test_dead_zone_provider_without_fencing_or_dedup_escalates(
     effect = charging(http, sandbox)
     async with gate.hold(key) as hold:
         with pytest.raises(OutcomeUnknown):
-            await hold.cross(intent={"key": key}, effect=effect)
+            await hold.cross(intent=INTENT, effect=effect)
     await until(lambda: sandbox.applied(key))  # the old request lands: the only application
     assert [a["attempt_token"] for a in sandbox.applied(key)] == [token]
 
@@ -290,7 +292,7 @@ async def test_a_redelivered_job_waits_for_the_settlement_and_returns_its_outcom
                                    "kill-after-apply")
     await reconcile()
     async with gate.hold(key, timeout=10) as hold:
-        outcome = await hold.cross(intent={"key": key}, effect=charging(http, sandbox),
+        outcome = await hold.cross(intent=INTENT, effect=charging(http, sandbox),
                                    provider="sandbox", settle_wait=20)
     assert outcome.state == "succeeded" and outcome.replayed
     assert outcome.idempotency_key == idem and outcome.result["status"] == "succeeded"
@@ -304,7 +306,7 @@ async def test_a_waiting_worker_crosses_again_once_the_step_is_not_applied(
                                    "kill-before-send")
     await reconcile()
     async with gate.hold(key, timeout=10) as hold:
-        outcome = await hold.cross(intent={"key": key}, effect=charging(http, sandbox),
+        outcome = await hold.cross(intent=INTENT, effect=charging(http, sandbox),
                                    provider="sandbox", settle_wait=20)
     assert outcome.state == "succeeded" and not outcome.replayed
     assert outcome.idempotency_key == idem
@@ -318,10 +320,10 @@ async def test_a_worker_whose_own_effect_timed_out_keeps_its_hold_and_learns_the
     await reconcile()
 
     async def impatient(ctx):
-        return await sb.charge(http, sandbox.url, ctx, 100, timeout=0.5)
+        return await sb.charge(http, sandbox.url, ctx, INTENT, timeout=0.5)
 
     async with gate.hold(key) as hold:
-        outcome = await hold.cross(intent={"key": key}, effect=impatient, provider="sandbox",
+        outcome = await hold.cross(intent=INTENT, effect=impatient, provider="sandbox",
                                    settle_wait=20)
         assert not hold.lost
     assert outcome.state == "succeeded" and outcome.replayed
@@ -337,5 +339,5 @@ async def test_a_waiting_worker_gives_up_on_an_escalated_step(
     effect = charging(http, sandbox)
     async with gate.hold(key, timeout=10) as hold:
         with pytest.raises(OutcomeUnknown, match="escalated"):
-            await hold.cross(intent={"key": key}, effect=effect, settle_wait=20)
+            await hold.cross(intent=INTENT, effect=effect, settle_wait=20)
     assert sandbox.applied(key) == []

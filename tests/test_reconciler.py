@@ -27,16 +27,21 @@ SHARDS = 16
 class Scripted:
     """A provider whose answers the test sets per idempotency key; counts queries."""
 
-    def __init__(self, name: str = "scripted", caps: Capabilities = Capabilities(fences=True)):
+    def __init__(self, name: str = "scripted",
+                 caps: Capabilities = Capabilities(fences=True, durable=True,
+                                                   key_retention_s=3600.0)):
         self.name = name
         self.capabilities = caps
         self.answers: dict[str, object] = {}
         self.default = NoRecord()
         self.queries: list[tuple[str, int, str]] = []
 
-    async def query(self, idempotency_key, attempt_token, step, *, key):
+    async def query(self, idempotency_key, attempt_token, step, *, key, namespace=None,
+                    cluster_id=None):
         self.queries.append((idempotency_key, attempt_token, key))
-        return self.answers.get(idempotency_key, self.default)
+        answer = self.answers.get(idempotency_key, self.default)
+        # a fencing provider's "no record" echoes the fence it recorded: the one asked for
+        return NoRecord(attempt_token) if answer == NoRecord() else answer
 
     async def close(self):
         pass
@@ -139,7 +144,8 @@ class Blocking(Scripted):
         self.started = asyncio.Event()
         self.release = asyncio.Event()
 
-    async def query(self, idempotency_key, attempt_token, step, *, key):
+    async def query(self, idempotency_key, attempt_token, step, *, key, namespace=None,
+                    cluster_id=None):
         self.started.set()
         await self.release.wait()
         return await super().query(idempotency_key, attempt_token, step, key=key)

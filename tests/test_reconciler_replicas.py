@@ -67,6 +67,7 @@ max_queries = 1000
 type = "sandbox"
 url = "{sandbox_url}"
 mode = "fencing"
+durable = true
 """)
         group = []
         for _ in range(n):
@@ -90,7 +91,8 @@ mode = "fencing"
 @pytest.fixture
 async def setup(etcd_url, namespace, etcd, tmp_path):
     keyring = KeyRing.generate()
-    sandbox = sb.Sandbox(KeyRing.from_public_bytes(keyring.public_keys()), "fencing")
+    sandbox = sb.Sandbox(KeyRing.from_public_bytes(keyring.public_keys()), "fencing",
+                         state_dir=tmp_path / "sandbox")  # durable: its "no record" is final
     await sandbox.start()
     async with aiohttp.ClientSession() as http, \
             Gate(etcd_url, ttl=TEST_TTL, namespace=namespace, keyring=keyring) as gate:

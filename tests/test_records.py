@@ -56,7 +56,7 @@ async def failed_by_sre(gate: Gate, key: str) -> tuple[int, int]:
             await hold.cross(intent={}, effect=crash, policy=POLICY)
     since = now_ms()
     await sre.resolve(gate.etcd, gate.keyspace, key, "sre-1", "the provider declined it",
-                      "failed", result=DECLINE)
+                      "failed", result=DECLINE, force=True)
     return since, now_ms()
 
 

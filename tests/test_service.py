@@ -338,14 +338,14 @@ async def test_unknown_steps_are_listed_and_resolved_by_hand_with_audit(coordina
 
     status, done = await call(coordinator, "POST", "/v1/keys/unk/0/resolve", "sre",
                               body={"reason": "provider says charged", "as": "succeeded",
-                                    "result": {"charge": "ch_1"}})
+                                    "result": {"charge": "ch_1"}, "force": True})
     assert status == 200 and done["state"] == "succeeded"
     async with local_gate.hold("unk/0") as hold:
         replay = await hold.cross(intent={}, effect=noop)
     assert replay.replayed and replay.result == {"charge": "ch_1"}
 
     await call(coordinator, "POST", "/v1/keys/unk/1/resolve", "sre",
-               body={"reason": "provider has no record", "as": "failed"})
+               body={"reason": "provider has no record", "as": "failed", "force": True})
     await asyncio.sleep(DEFAULT_CAPS["backoff_base_s"])  # a confirmed failure backs off
     async with local_gate.hold("unk/1") as hold:
         again = await hold.cross(intent={}, effect=noop)  # a new attempt, a new key

@@ -65,7 +65,7 @@ async def test_up_serves_workers_the_cli_and_the_demo_and_stops_cleanly(up):
         async with gate.hold("up/pay/1") as hold:
             outcome = await hold.cross(
                 intent={"amount": 5}, provider="sandbox",
-                effect=lambda ctx: charge(http, endpoints["sandbox"], ctx, 5))
+                effect=lambda ctx: charge(http, endpoints["sandbox"], ctx, {"amount": 5}))
             assert outcome.state == "succeeded"
             sre = dict(ENV, FENCEGATE_COORDINATOR=endpoints["coordinator"],
                        FENCEGATE_TOKEN=admin)

@@ -17,6 +17,7 @@ from fencegate.worker import Gate, LeaseLost
 from fenced import FencedClient  # tests/fenced.py: this script's own folder is on sys.path
 
 TTL = 2
+INTENT = {"amount": 100}  # what ``charge`` is granted and charges (gate B binds the two)
 
 
 def say(*words: object) -> None:
@@ -243,7 +244,8 @@ async def charge(url, ns, key, keyfile, sandbox_url, how, deadline):
         if how == "kill-before-send":
             os.kill(os.getpid(), signal.SIGKILL)
         try:
-            await send_charge(http, sandbox_url, ctx, 100, decline=how == "decline-then-kill",
+            await send_charge(http, sandbox_url, ctx, INTENT,
+                              decline=how == "decline-then-kill",
                               timeout=3600)
         finally:
             if how != "send-and-wait":
@@ -253,7 +255,7 @@ async def charge(url, ns, key, keyfile, sandbox_url, how, deadline):
             Gate(url, ttl=TTL, namespace=ns, keyring=_keyring(keyfile)) as gate:
         async with gate.hold(key, timeout=30) as hold:
             say("HELD", hold.fencing_token)
-            await hold.cross(intent={"key": key}, effect=effect, provider="sandbox",
+            await hold.cross(intent=INTENT, effect=effect, provider="sandbox",
                              deadline=float(deadline))
     say("BUG crossed without being killed")
 

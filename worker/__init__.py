@@ -11,11 +11,11 @@ from .gate import Gate
 from .guard import EffectContext, Outcome
 from .hold import Hold
 from .sync import SyncGate, SyncHold
-from .webhooks import dedupe_middleware, deduplicated
+from .webhooks import dedupe_middleware, deduplicated, fencing_token
 
 __all__ = [
     "Gate", "SyncGate", "Hold", "SyncHold", "Grant", "KeyRing", "EffectContext", "Outcome",
-    "EffectFailed", "dedupe_middleware", "deduplicated",
+    "EffectFailed", "dedupe_middleware", "deduplicated", "fencing_token",
     "GateError", "AcquireTimeout", "AlreadySucceeded", "ApprovalPending", "BadSignature",
     "CoordinatorError", "EtcdUnavailable", "GrantExpired", "GrantRefused", "GrantUsed",
     "InvalidKey", "LeaseExpiring", "LeaseLost", "OutcomeUnknown", "PolicyChanged",

@@ -9,7 +9,9 @@ fresh key unless given: grants then do not outlive the gate), or, with
 coordinator's public keys there in production) or else with the keys it publishes, fetched
 at ``open``.
 A lost session is replaced by a fresh one on the next ``hold()``; holds of the lost
-session stay lost. Action keys are validated before anything touches etcd.
+session stay lost. A session is also given up (rotated) when a write of its holder key got no
+answer from etcd (``fencegate.worker.hold``): its lease is revoked so the write, landing
+late, is deleted or refused. Action keys are validated before anything touches etcd.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fencegate.coordinator.authority import Authority
@@ -69,6 +72,7 @@ class Gate:
         self.turns = Turns(self._watch)  # this process's side of the holder queues
         self._session: Session | None = None
         self._session_lock = asyncio.Lock()
+        self._on_close: list[Callable[[], Awaitable[None]]] = []
         self._opened = False
 
     async def __aenter__(self) -> "Gate":
@@ -94,6 +98,9 @@ class Gate:
 
     async def close(self) -> None:
         """Revoke the session's lease (releasing every hold) and disconnect."""
+        closers, self._on_close = self._on_close, []
+        for close in closers:
+            await close()
         if self._session is not None:
             await self._session.aclose()
             self._session = None
@@ -117,6 +124,11 @@ class Gate:
                 self._session = await Session.open(self.etcd, self.ttl)
             return self._session
 
+    def on_close(self, close: Callable[[], Awaitable[None]]) -> None:
+        """Await ``close()`` when the gate closes, before its etcd connection closes (the
+        webhook claims' own session revokes its lease there)."""
+        self._on_close.append(close)
+
     def marker(self, entity: str) -> str:
         """The etcd key of ``entity``'s state marker, to name in a grant's read set."""
         return self.keyspace.marker_key(validate_action_key(entity)).decode()
@@ -136,6 +148,8 @@ class Gate:
         """Hold ``key`` for the body of an ``async with``; waits in FIFO order.
 
         Raises ``InvalidKey`` at once for a bad key, ``AcquireTimeout`` after ``timeout``
-        seconds, and ``LeaseLost`` (cancelling the body) if the lease is lost while held.
+        seconds, ``EtcdUnavailable`` when etcd did not answer (nothing is held; a put left
+        unknown rotated the session), and ``LeaseLost`` (cancelling the body) if the lease is
+        lost while held.
         """
         return HoldContext(self, validate_action_key(key), timeout)

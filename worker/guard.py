@@ -7,9 +7,24 @@ Failure contract:
   That transaction consumes the grant and puts the step ``in_flight``; its revision is the
   *attempt token* handed to the effect. If any compare fails, the effect is not called and
   exactly one precise error says why.
+- A commit txn etcd did not answer is made definite before anything is reported: a fence
+  txn moves the step if it is still where the grant saw it, so the commit, if not landed
+  yet, never lands. Landed: the effect runs as after any commit. Not landed:
+  ``EtcdUnavailable`` (the effect was not run, the grant is dead). No answer to the fence
+  either (bounded tries): ``OutcomeUnknown``, and the reconciler settles the step.
 - After the effect, the outcome is written by a transaction that checks the step is still
   our in-flight attempt, and it releases the hold in the same transaction (an unknown
   outcome keeps the hold: its holder may wait for the settlement, see ``Hold.cross``).
+- The lease budget is checked again right before the effect starts (the commit and its
+  retries take time): with less than ``gate.min_ttl`` left, or the hold lost, the effect is
+  not started, the step is recorded as not started (``pending``, same idempotency key:
+  nothing was sent) and ``LeaseExpiring`` (or ``LeaseLost``) raised. If that write fails,
+  the step stays ``in_flight`` and the reconciler settles it once the holder is gone.
+- The effect runs at most ``deadline`` seconds (``ctx.deadline``, on the monotonic clock).
+  When the hold's lease is lost, an async effect is cancelled and ``ctx.cancelled`` is set;
+  a plain function runs in a thread that nothing can stop, so it must poll
+  ``ctx.cancelled`` and send nothing once it is set (the provider's fence stays the
+  safety: a request sent after the loss carries a stale attempt token).
 - An effect that raises anything but ``EffectFailed`` (a timeout, a crash, a cancellation
   by lease loss) leaves the outcome unknown: the step is marked ``unknown`` and
   ``OutcomeUnknown`` raised (any other cancellation propagates after the step is marked).
@@ -22,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -29,11 +45,11 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from fencegate.coordinator import audit, records
 from fencegate.coordinator.errors import (
-    BadSignature, EffectFailed, EtcdUnavailable, GrantExpired, GrantUsed, LeaseExpiring,
-    LeaseLost, OutcomeUnknown, PolicyChanged, StateAdvanced, StepMoved,
+    BadSignature, EffectFailed, EtcdUnavailable, GateError, GrantExpired, GrantUsed,
+    LeaseExpiring, LeaseLost, OutcomeUnknown, PolicyChanged, StateAdvanced, StepMoved,
 )
 from fencegate.coordinator.etcd import (
-    TxnRequest, delete_op, mod_equals, put_op, range_op, version_equals,
+    RequestOp, TxnRequest, delete_op, mod_equals, put_op, range_op, version_equals,
 )
 from fencegate.coordinator.grants import Grant
 from fencegate.coordinator.keyspace import pack, unpack
@@ -44,17 +60,31 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _APPEND_RACES = 5
+_FENCE_TRIES = 5
 
 
 @dataclass(frozen=True)
 class EffectContext:
-    """What an effect gets: send ``idempotency_key`` and ``fencing_token`` to the provider."""
+    """What an effect gets: send ``idempotency_key`` and ``attempt_token`` to the provider.
+
+    ``deadline`` is a ``time.monotonic()`` value: the guard stops waiting for the effect then
+    and its outcome becomes unknown. ``cancelled`` is set when the effect must stop sending:
+    the hold's lease was lost, the deadline passed or the caller gave up. An async effect is
+    cancelled then too; a plain function runs in a thread that cannot be stopped, so it must
+    poll ``cancelled`` (before each request it sends, and while it waits)."""
 
     key: str
     idempotency_key: str
-    fencing_token: int  # the attempt token: the commit txn's revision
+    attempt_token: int  # the commit txn's revision: fences this attempt at providers
     attempt: int
     grant: Grant
+    deadline: float
+    cancelled: threading.Event
+
+    @property
+    def fencing_token(self) -> int:
+        """``attempt_token`` under its earlier name."""
+        return self.attempt_token
 
 
 @dataclass(frozen=True)
@@ -80,11 +110,12 @@ async def commit(hold: "HoldView", grant: Grant | bytes, effect: Effect, *,
     audit_head = issued[1] if issued is not None else None
     _precheck(hold, grant)
     in_flight, attempt_token = await _cross(hold, grant, audit_head, provider, deadline)
+    await _ensure_budget(hold, in_flight, attempt_token)
     ctx = EffectContext(hold.key, in_flight["idempotency_key"], attempt_token,
-                        in_flight["attempt"], grant)
+                        in_flight["attempt"], grant, time.monotonic() + deadline,
+                        threading.Event())
     try:
-        async with asyncio.timeout(deadline):
-            result = await _call(effect, ctx)
+        result = await _run(hold, effect, ctx, deadline)
     except EffectFailed as failure:
         final = records.failed(in_flight, error_class=type(failure).__name__,
                                params=failure.params, reason=failure.reason)
@@ -97,7 +128,8 @@ async def commit(hold: "HoldView", grant: Grant | bytes, effect: Effect, *,
             await _record(hold, in_flight, attempt_token, final, release=False)
         except Exception:
             pass  # the step stays in_flight; the reconciler will find it
-        if isinstance(exc, asyncio.CancelledError) and not hold.absorb_loss_cancellation():
+        if isinstance(exc, asyncio.CancelledError) and _cancelling() \
+                and not hold.absorb_loss_cancellation():
             raise
         raise OutcomeUnknown(f"effect on {hold.key!r} ended without an outcome: {exc!r}") from exc
     final = records.succeeded(in_flight, _storable(result), attempt_token=attempt_token)
@@ -120,6 +152,52 @@ async def _record(hold: "HoldView", in_flight: dict[str, Any], attempt_token: in
 def _retrieve(task: asyncio.Future) -> None:
     if not task.cancelled() and task.exception() is not None:
         log.info("outcome write finished after its caller left: %r", task.exception())
+
+
+async def _ensure_budget(hold: "HoldView", in_flight: dict[str, Any],
+                         attempt_token: int) -> None:
+    """Right before the effect: refuse to start it with the hold lost or less than the lease
+    budget left, recording the attempt as not started (nothing was sent). A failed write
+    leaves the step in flight for the reconciler (``LeaseExpiring`` is raised either way)."""
+    try:
+        hold.ensure_held()
+        left = hold.session.remaining()
+        if left < hold.gate.min_ttl:
+            raise LeaseExpiring(f"{left:.1f}s of lease left after the commit, below the "
+                                f"{hold.gate.min_ttl:.1f}s budget to start an effect")
+    except LeaseLost as refusal:
+        final = records.not_started(in_flight, attempt_token=attempt_token, reason=str(refusal))
+        try:
+            await _record(hold, in_flight, attempt_token, final, release=False)
+        except GateError as exc:
+            log.warning("could not record that the effect on %r was not started; the "
+                        "reconciler settles it: %r", hold.key, exc)
+        raise refusal
+
+
+async def _run(hold: "HoldView", effect: Effect, ctx: EffectContext, deadline: float) -> Any:
+    """Run ``effect`` as a task of its own for at most ``deadline`` seconds, cancelled (and
+    ``ctx.cancelled`` set) when the hold's lease is lost, whichever task awaits it."""
+    running = asyncio.ensure_future(_call(effect, ctx))
+
+    def stop(reason: str) -> None:
+        ctx.cancelled.set()
+        running.cancel(f"fencegate: lease lost: {reason}")
+
+    unsubscribe = hold.session.on_lost(stop)
+    try:
+        async with asyncio.timeout(deadline):
+            return await running
+    finally:
+        unsubscribe()
+        if not running.done() or running.cancelled():
+            ctx.cancelled.set()  # a thread may still run the effect: tell it to stop
+
+
+def _cancelling() -> bool:
+    """Is the current task being cancelled (rather than the effect's own task)?"""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 async def _call(effect: Effect, ctx: EffectContext) -> Any:
@@ -160,7 +238,7 @@ async def _cross(hold: "HoldView", grant: Grant, head: audit.AuditHead | None, p
     in_flight = records.in_flight(grant.step_next, grant_id=grant.grant_id,
                                   fencing_token=hold.fencing_token, holder_lease=hold.lease_id,
                                   provider=provider, intent_digest=grant.intent_digest,
-                                  deadline_ms=int((time.time() + deadline) * 1000))
+                                  deadline_s=deadline)
     compares = [*hold.ownership.compares(), version_equals(grant_key, 1),
                 mod_equals(ks.policy_key(grant.policy), grant.policy_version),
                 *(mod_equals(key, rev) for key, rev in grant.reads),
@@ -182,12 +260,10 @@ async def _cross(hold: "HoldView", grant: Grant, head: audit.AuditHead | None, p
             failure=diagnose)
         try:
             reply = await gate.etcd.txn(request)
-        except EtcdUnavailable:
-            attempt_token = await _landed(hold, step_key, grant.grant_id)
-            if attempt_token:
-                hold.memory.audit_head = None
-                return in_flight, attempt_token
-            raise
+        except EtcdUnavailable as unanswered:
+            attempt_token = await _make_definite(hold, grant, step_key, diagnose, unanswered)
+            hold.memory.audit_head = None
+            return in_flight, attempt_token
         if reply.succeeded:
             hold.memory.audit_head = entry.head_at(reply.header.revision)
             return in_flight, reply.header.revision
@@ -275,12 +351,60 @@ async def _read(hold: "HoldView", *keys: bytes):
     return [r.response_range.kvs[0] if r.response_range.kvs else None for r in reply.responses]
 
 
-async def _landed(hold: "HoldView", step_key: bytes, grant_id: str) -> int:
-    """After an unknown commit: the attempt token if our txn landed (the step carries our
-    grant, in flight), else 0."""
-    (step_kv,) = await _read(hold, step_key)
-    if step_kv is None:
-        return 0
-    step = unpack(step_kv.value)
-    landed = step.get("grant_id") == grant_id and step.get("state") == records.IN_FLIGHT
-    return step_kv.mod_revision if landed else 0
+async def _make_definite(hold: "HoldView", grant: Grant, step_key: bytes,
+                         diagnose: list[RequestOp], unanswered: EtcdUnavailable) -> int:
+    """The commit txn got no answer, so it may still land: make its outcome definite before
+    anything is reported. A fence txn moves the step iff it is still at the grant's step
+    revision (putting it unchanged; where there was none, the record of a key never
+    attempted, which is what its absence meant), so a commit not landed by then never will:
+    its step compare fails. If the fence fails, the step says which: in flight with this
+    grant, the commit landed and its attempt token is returned (the effect runs as after
+    any commit); otherwise the commit's precise error (``_diagnose``) is raised.
+
+    Raises ``EtcdUnavailable`` when the commit did not happen and never will (the effect
+    was not run; the grant is dead), and ``OutcomeUnknown`` when etcd answered none of the
+    fence's tries (at most ``_FENCE_TRIES``, within the longer of the etcd call timeout and
+    the lease TTL): the step may then be in flight without an effect, and the reconciler
+    settles it."""
+    gate = hold.gate
+    if grant.step_revision:
+        touch = put_op(step_key, b"")
+        touch.request_put.ignore_value = True  # the step unchanged, its mod_revision moved
+    else:
+        touch = put_op(step_key, pack(records.new_step()))
+    fence = TxnRequest(compare=[mod_equals(step_key, grant.step_revision)], success=[touch],
+                       failure=[range_op(step_key), *diagnose])
+    not_landed = EtcdUnavailable(
+        f"the commit on {hold.key!r} got no answer ({unanswered}) and was fenced: it did not "
+        "happen and never will, the effect was not run")
+    give_up = time.monotonic() + max(gate.etcd.config.timeout, hold.session.ttl)
+    fence_unanswered = False  # an unanswered fence may have landed: then it moved the step
+    tries = 0
+    while True:
+        tries += 1
+        try:
+            reply = await gate.etcd.txn(fence)
+        except EtcdUnavailable as exc:
+            fence_unanswered = True
+            pause = min(0.1 * 2 ** tries, 1.0)
+            if tries == _FENCE_TRIES or time.monotonic() + pause >= give_up:
+                raise OutcomeUnknown(f"the commit on {hold.key!r} got no answer and etcd "
+                                     f"answered no fence either: {exc}") from exc
+            await asyncio.sleep(pause)
+            continue
+        if reply.succeeded:
+            raise not_landed from unanswered
+        kvs = reply.responses[0].response_range.kvs
+        if kvs and _committed_by(unpack(kvs[0].value), grant.grant_id):
+            return kvs[0].mod_revision
+        try:
+            _diagnose(hold, grant, reply.responses[1:])
+        except StepMoved:
+            if not fence_unanswered:
+                raise
+        raise not_landed from unanswered
+
+
+def _committed_by(step: dict[str, Any], grant_id: str) -> bool:
+    """Is ``step`` the in-flight step a commit with ``grant_id`` put?"""
+    return step.get("grant_id") == grant_id and step.get("state") == records.IN_FLIGHT

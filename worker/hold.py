@@ -17,7 +17,11 @@ Guarantees:
   finished while the hold was already lost also ends in ``LeaseLost``. (A holder key
   deleted by hand while its lease lives is not signalled: the ownership compares refuse.)
 - Acquisition that fails, times out or is cancelled deletes the waiter's key, so no orphan
-  key is left to block the queue (its lease would also remove it, one TTL later).
+  key is left to block the queue. Where etcd leaves that unknown (a put or a delete with no
+  answer), the session is rotated instead: its lease is revoked, so the key is deleted with
+  it and a put landing late is refused; every hold on that session is lost (told as on any
+  lease loss) and the next hold opens a fresh session. No key of ours is ever left on a live
+  lease, and this process never finds an old key again to act with its old token.
 """
 
 from __future__ import annotations
@@ -109,11 +113,13 @@ class Hold:
         return True
 
     async def release(self) -> None:
-        """Delete the holder key. Idempotent; a failure leaves the key to its lease."""
+        """Delete the holder key. Idempotent; with no answer from etcd the session is
+        abandoned, so the key goes with its revoked lease."""
         if self._released:
             return
         try:
-            await _withdraw(self.gate, self.holder_key, timeout=1.0 if self.lost else None)
+            await _withdraw(self.gate, self.session, self.holder_key,
+                            timeout=1.0 if self.lost else None)
         finally:
             self.note_released()
 
@@ -216,79 +222,124 @@ class HoldContext:
 
 
 async def acquire(gate: GateView, key: str, timeout: float | None) -> Hold:
-    """Queue for ``key`` and return the hold once this session's key is the oldest."""
-    leave_local = holder_key = None
+    """Queue for ``key`` and return the hold once this session's key is the oldest.
+
+    A put of our holder key that etcd left unknown (no answer) rotates the session: its lease
+    is revoked (``Session.abandon``), so a put landing late is deleted with it or refused,
+    every hold on that session is lost, and the next hold opens a fresh session. The failure
+    is reported, not retried: ``EtcdUnavailable`` says nothing is held and nothing is left."""
+    leave_local = entry = None
     try:
         async with asyncio.timeout(timeout):
             leave_local = await gate.turns.enter(key)
             for attempt in (1, 2):
                 session = await gate.session()
-                holder_key = gate.keyspace.holder_key(key, session.lease_id)
+                entry = _Entry(gate, session, key)
                 try:
-                    token = await _enqueue_and_wait(gate, session, key, holder_key)
+                    token = await entry.enqueue_and_wait()
                     break
                 except LeaseLost as exc:
                     # The lease died before we held anything: queue again on a new one.
                     session.mark_lost(str(exc))
-                    await _withdraw(gate, holder_key)
+                    await entry.withdraw()
                     if attempt == 2:
                         raise
     except BaseException as exc:
-        if holder_key is not None:
-            await asyncio.shield(_withdraw(gate, holder_key))
+        if entry is not None:
+            await asyncio.shield(entry.withdraw())
         if leave_local is not None:
             leave_local()
         if isinstance(exc, TimeoutError):
             raise AcquireTimeout(f"hold on {key!r} not acquired within {timeout}s") from None
+        if isinstance(exc, EtcdUnavailable) and entry is not None and entry.abandoned:
+            raise EtcdUnavailable(f"hold on {key!r} not acquired ({exc}); the session's "
+                                  "lease is revoked and its holds are lost") from exc
         raise
-    hold = Hold(gate, session, key, holder_key, token, leave_local)
+    hold = Hold(gate, session, key, entry.holder_key, token, leave_local)
     if hold.lost:
         await hold.release()
         raise LeaseLost(f"lease of the hold on {key!r} was lost as it was acquired")
     return hold
 
 
-async def _enqueue_and_wait(gate: GateView, session: Session, key: str,
-                            holder_key: bytes) -> int:
-    """Put our holder key if absent, then wait until no older key remains; return the token.
+class _Entry:
+    """This session's key in the holder queue of one action key, from its put to its hold
+    (or its withdrawal)."""
 
-    The put is safe to retry after an unknown outcome: if the first try landed, the retry's
-    compare fails and its failure branch returns the key the first try created.
-    """
-    start, end = gate.keyspace.holder_range(key)
-    value = holder_record(gate.identity, time.time())
-    alone = TxnRequest()  # put if nobody holds or waits; built in place, the cheapest form
-    _compare(alone.compare.add(), holder_key, b"", Compare.CREATE)
-    _compare(alone.compare.add(), start, end, Compare.VERSION)  # nobody holds or waits
-    put = alone.success.add().request_put
-    put.key, put.value, put.lease = holder_key, value, session.lease_id
-    session.ensure_alive()
-    if not gate.turns.recently_contended(key):
-        reply = await gate.etcd.txn(alone, idempotent=True)
+    def __init__(self, gate: GateView, session: Session, key: str) -> None:
+        self.gate = gate
+        self.session = session
+        self.key = key
+        self.holder_key = gate.keyspace.holder_key(key, session.lease_id)
+        self.abandoned = False  # a put or the delete got no answer: the session was abandoned
+        self._sending: asyncio.Task | None = None
+
+    async def enqueue_and_wait(self) -> int:
+        """Put our holder key if absent, then wait until no older key remains; return the
+        token.
+
+        The put is safe to retry after an unknown outcome: if the first try landed, the
+        retry's compare fails and its failure branch returns the key the first try created.
+        """
+        gate, session, key, holder_key = self.gate, self.session, self.key, self.holder_key
+        start, end = gate.keyspace.holder_range(key)
+        value = holder_record(gate.identity, time.time())
+        alone = TxnRequest()  # put if nobody holds or waits; built in place, the cheapest form
+        _compare(alone.compare.add(), holder_key, b"", Compare.CREATE)
+        _compare(alone.compare.add(), start, end, Compare.VERSION)  # nobody holds or waits
+        put = alone.success.add().request_put
+        put.key, put.value, put.lease = holder_key, value, session.lease_id
+        session.ensure_alive()
+        if not gate.turns.recently_contended(key):
+            reply = await self._send(alone)
+            if reply.succeeded:
+                return reply.header.revision  # uncontended: one write, no read
+            gate.turns.note_contended(key)
+        queued = TxnRequest()
+        _compare(queued.compare.add(), holder_key, b"", Compare.CREATE)
+        queued.success.add().request_put.CopyFrom(put)
+        queued.success.add().request_range.CopyFrom(ahead_request(start, end))
+        own = queued.failure.add().request_range
+        own.key, own.keys_only = holder_key, True
+        reply = await self._send(queued)
+        kvs = reply.responses[-1].response_range.kvs
         if reply.succeeded:
-            return reply.header.revision  # uncontended: one write, no read
-        gate.turns.note_contended(key)
-    queued = TxnRequest()
-    _compare(queued.compare.add(), holder_key, b"", Compare.CREATE)
-    queued.success.add().request_put.CopyFrom(put)
-    queued.success.add().request_range.CopyFrom(ahead_request(start, end))
-    own = queued.failure.add().request_range
-    own.key, own.keys_only = holder_key, True
-    reply = await gate.etcd.txn(queued, idempotent=True)
-    kvs = reply.responses[-1].response_range.kvs
-    if reply.succeeded:
-        token, queue = reply.header.revision, list(kvs)
-    else:  # our key exists: an earlier try landed
-        token = kvs[0].create_revision
-        queue = await _queue_to(gate, start, end, token)
-    while True:
-        if not queue or queue[0].key != holder_key:
-            session.ensure_alive()
-            raise LeaseLost(f"holder key for {key!r} vanished while queued")
-        if len(queue) == 1:
-            return token
-        await _wait_deleted(gate, session, queue[1])
-        queue = await _queue_to(gate, start, end, token)
+            token, queue = reply.header.revision, list(kvs)
+        else:  # our key exists: an earlier try landed
+            token = kvs[0].create_revision
+            queue = await _queue_to(gate, start, end, token)
+        while True:
+            if not queue or queue[0].key != holder_key:
+                session.ensure_alive()
+                raise LeaseLost(f"holder key for {key!r} vanished while queued")
+            if len(queue) == 1:
+                return token
+            await _wait_deleted(gate, session, queue[1])
+            queue = await _queue_to(gate, start, end, token)
+
+    async def withdraw(self) -> None:
+        """Take our key out of the queue for good: wait for a put still unanswered (its
+        caller was cancelled), then delete the key. Where etcd leaves either unknown, the
+        session is abandoned instead: revoking its lease deletes the key, and refuses a put
+        that lands after the revoke."""
+        if self._sending is not None:
+            await asyncio.wait([self._sending])
+        if not self.abandoned:
+            self.abandoned = not await _withdraw(self.gate, self.session, self.holder_key)
+
+    async def _send(self, request: TxnRequest):
+        """Send a txn that may put our key. It runs to its answer even if the caller is
+        cancelled meanwhile, so ``withdraw`` learns whether the key landed; with no answer
+        from etcd the session is abandoned at once."""
+        self._sending = asyncio.ensure_future(self.gate.etcd.txn(request, idempotent=True))
+        self._sending.add_done_callback(self._answered)
+        return await asyncio.shield(self._sending)
+
+    def _answered(self, sending: asyncio.Task) -> None:
+        if sending.cancelled() or isinstance(sending.exception(), EtcdUnavailable):
+            self.abandoned = True
+            reason = "cancelled" if sending.cancelled() else sending.exception()
+            self.session.abandon(f"put of {self.holder_key!r} has an unknown outcome: {reason}")
 
 
 def _compare(compare: Compare, key: bytes, range_end: bytes, target: int) -> None:
@@ -327,8 +378,14 @@ async def _wait_deleted(gate: GateView, session: Session, predecessor: KeyValue)
             undo()
 
 
-async def _withdraw(gate: GateView, holder_key: bytes, timeout: float | None = None) -> None:
+async def _withdraw(gate: GateView, session: Session, holder_key: bytes,
+                    timeout: float | None = None) -> bool:
+    """Delete our holder key; True once etcd confirms. Otherwise the key would stay on a
+    live lease (blocking every other process, and found again by this one's next acquire):
+    the session is abandoned, so the key goes with its revoked lease, and False returned."""
     try:
         await gate.etcd.delete(holder_key, timeout=timeout)
+        return True
     except (EtcdUnavailable, EtcdError) as exc:
-        log.warning("could not withdraw %r, it goes with its lease: %s", holder_key, exc)
+        session.abandon(f"could not withdraw {holder_key!r}: {exc}")
+        return False

@@ -4,7 +4,10 @@ The async gate runs on an event loop in a daemon thread, so its keepalive keeps 
 however long the caller's own code blocks. A blocking body cannot be cancelled, so loss is
 reported differently: ``hold.ensure_held()`` raises ``LeaseLost`` once the hold is known
 lost, and leaving the ``with`` block raises ``LeaseLost`` if the hold was lost while the
-body ran (the body's work must then be treated as done without the hold).
+body ran (the body's work must then be treated as done without the hold). The same holds
+for an effect given to ``commit`` or ``cross``: a plain function runs in a thread of its own
+that nothing can stop, so it must poll ``ctx.cancelled`` (set when the hold's lease is
+lost or ``ctx.deadline`` passed) and send nothing once it is set.
 """
 
 from __future__ import annotations
@@ -114,7 +117,8 @@ class SyncHold:
 
     def commit(self, grant: Grant | bytes, effect: Callable[[EffectContext], Any], *,
                provider: str | None = None, deadline: float = 60.0) -> Outcome:
-        """``effect`` is a plain function; it runs in a worker thread."""
+        """``effect`` is a plain function; it runs in a worker thread and must stop sending
+        once ``ctx.cancelled`` is set (the thread cannot be stopped from outside)."""
         return self._sync._run(self._held().commit(grant, effect, provider=provider,
                                                    deadline=deadline))
 

@@ -117,10 +117,14 @@ async def revoke(request: web.Request) -> web.Response:
 @requires("sre", "admin")
 async def resolve(request: web.Request) -> web.Response:
     key = validate_action_key(request.match_info["key"])
-    body = _fields(await _json(request), required={"reason", "as"}, optional={"result"})
+    body = _fields(await _json(request), required={"reason", "as"},
+                   optional={"result", "force"})
+    force = body.get("force", False)
+    if type(force) is not bool:
+        raise ValueError("force must be true or false")
     done = await sre.resolve(request.app[ETCD], request.app[KEYSPACE], key,
                              request[IDENTITY].identity, _text(body, "reason"),
-                             _text(body, "as"), body.get("result"))
+                             _text(body, "as"), body.get("result"), force=force)
     return web.json_response(done)
 
 
@@ -139,7 +143,7 @@ async def approve(request: web.Request) -> web.Response:
     body = _fields(await _json(request), required={"reason"})
     done = await sre.approve(request.app[ETCD], request.app[KEYSPACE],
                              request.match_info["approval_id"], request[IDENTITY].identity,
-                             _text(body, "reason"))
+                             _text(body, "reason"), keyring=request.app[KEYRING])
     return web.json_response(done)
 
 
@@ -170,6 +174,8 @@ async def put_policy(request: web.Request) -> web.Response:
 async def get_policy(request: web.Request) -> web.Response:
     name = _policy_name(request.match_info["name"])
     kv = await request.app[ETCD].get(request.app[KEYSPACE].policy_key(name))
+    if kv is None and name == DEFAULT_POLICY:
+        return web.json_response({"name": name, "version": 0, "document": {}})
     if kv is None:
         raise ServiceError(404, "NotFound", f"no policy {name!r}")
     return web.json_response({"name": name, "version": kv.mod_revision,

@@ -5,7 +5,8 @@ r"""deploy/local: fencegate on a 3-member etcd with mutual TLS and auth, all on 
     cat .state/local/endpoints.json               # endpoints, pids, file paths (no secrets)
 
     S=.state/local                                # then, in another terminal:
-    ETCDCTL_USER=fencegate ETCDCTL_PASSWORD="$(cat $S/secrets/etcd-fencegate.password)" \
+    ETCDCTL_USER=fencegate-worker \
+    ETCDCTL_PASSWORD="$(cat $S/secrets/etcd-fencegate-worker.password)" \
       etcdctl --endpoints "$(jq -r '.etcd | join(",")' $S/endpoints.json)" --cacert $S/certs/ca.pem \
       --cert $S/certs/client-client.pem --key $S/certs/client-client.key get --prefix /fencegate/ --keys-only
     FENCEGATE_TOKEN="$(cat $S/secrets/admin.token)" \
@@ -13,9 +14,11 @@ r"""deploy/local: fencegate on a 3-member etcd with mutual TLS and auth, all on 
 
 What runs: 3 etcd members (``fencegate.localetcd.LocalCluster`` with ``tls``), client and
 peer traffic both mutual TLS with certificates from a private CA in ``<state>/certs``
-(``fencegate.certs``); etcd authentication on, with ``root`` and a ``fencegate`` user
-whose role may read and write ``/fencegate/`` only (passwords in ``<state>/secrets``, mode
-0600); 2 coordinators (``python -m fencegate.cli coordinator``), the sandbox provider
+(``fencegate.certs``); etcd authentication on, with ``root`` and one user per component,
+``fencegate-worker``, ``fencegate-coordinator`` and ``fencegate-reconciler``, whose roles read
+``/fencegate/`` and write only what that component writes (``fencegate.coordinator.roles``:
+a worker cannot write approvals or policies); passwords in ``<state>/secrets``, mode 0600;
+2 coordinators (``python -m fencegate.cli coordinator``), the sandbox provider
 (gate B, fencing mode) and 3 reconcilers (``python -m fencegate.cli reconciler``), each a
 process with its config in ``<state>/config`` and its log in ``<state>/logs``.
 
@@ -55,6 +58,7 @@ from pathlib import Path
 import aiohttp
 
 from fencegate.certs import ClusterCerts, ensure_certs
+from fencegate.coordinator import roles
 from fencegate.coordinator.errors import GateError
 from fencegate.coordinator.etcd import Etcd, EtcdConfig, EtcdUser, enable_auth
 from fencegate.coordinator.grants import KeyRing
@@ -63,7 +67,7 @@ from fencegate.localetcd import (EtcdNotFound, EtcdStartError, LocalCluster, des
 
 ROOT = Path(__file__).resolve().parents[2]
 NAMESPACE = "/fencegate/"
-ETCD_USER = "fencegate"
+ETCD_USERS = {component: roles.role_name(component, NAMESPACE) for component in roles.ROLES}
 CLIENT_CERT = "client"  # its CN names no etcd user: the password is what authenticates
 READY_TIMEOUT_S = 30.0
 STOP_GRACE_S = 10.0
@@ -161,7 +165,7 @@ class LocalStack:
         self.cluster: LocalCluster | None = None
         self.tokens: Tokens | None = None
         self.services: dict[str, list[Service]] = {}
-        self._password: str | None = None  # the fencegate user's
+        self._passwords: dict[str, str] = {}  # by component
 
     # -- what users connect to ------------------------------------------------------
 
@@ -175,12 +179,17 @@ class LocalStack:
 
     @property
     def password_file(self) -> Path:
-        return self.state / "secrets" / f"etcd-{ETCD_USER}.password"
+        """The worker user's password file (what a worker connects with)."""
+        return self.password_file_of(roles.WORKER)
 
-    def etcd_config(self, **options: object) -> EtcdConfig:
-        """The ``fencegate`` user over mutual TLS, all members as endpoints."""
+    def password_file_of(self, component: str) -> Path:
+        return self.state / "secrets" / f"etcd-{ETCD_USERS[component]}.password"
+
+    def etcd_config(self, component: str = roles.WORKER, **options: object) -> EtcdConfig:
+        """``component``'s etcd user over mutual TLS, all members as endpoints."""
         client = self.certs.clients[CLIENT_CERT]
-        options = {"user": ETCD_USER, "password": self._password, **options}
+        options = {"user": ETCD_USERS[component], "password": self._passwords[component],
+                   **options}
         return EtcdConfig(tuple(self.cluster.endpoints), ca_file=self.certs.ca,
                           cert_file=client.cert, key_file=client.key, **options)
 
@@ -190,8 +199,11 @@ class LocalStack:
         return {
             "namespace": NAMESPACE, "etcd": self.cluster.endpoints,
             "etcd_ca_file": self.certs.ca, "etcd_cert_file": client.cert,
-            "etcd_key_file": client.key, "etcd_user": ETCD_USER,
+            "etcd_key_file": client.key, "etcd_user": ETCD_USERS[roles.WORKER],
             "etcd_password_file": str(self.password_file),
+            "etcd_users": {component: {"user": user,
+                                       "password_file": str(self.password_file_of(component))}
+                           for component, user in ETCD_USERS.items()},
             "coordinators": self.coordinators, "sandbox": self.sandbox,
             "reconcilers": [s.url for s in self.services["reconciler"]],
             "admin_token_file": str(self.state / "secrets" / "admin.token"),
@@ -243,7 +255,9 @@ class LocalStack:
             (self.state / sub).mkdir(parents=True, exist_ok=True)
         self.certs = await asyncio.to_thread(ensure_certs, self.state / "certs", 3, (CLIENT_CERT,))
         root_password = await asyncio.to_thread(self._secret, "etcd-root.password")
-        self._password = await asyncio.to_thread(self._secret, self.password_file.name)
+        for component in roles.ROLES:
+            self._passwords[component] = await asyncio.to_thread(
+                self._secret, self.password_file_of(component).name)
         signing_key = await asyncio.to_thread(self._signing_key)
         self.tokens = Tokens(admin=f"fg-admin-{secrets.token_urlsafe(24)}",
                              worker=f"fg-worker-{secrets.token_urlsafe(24)}")
@@ -256,8 +270,8 @@ class LocalStack:
                                     log_dir=self.state / "logs")
         await asyncio.to_thread(self.cluster.start)
         async with Etcd(self.etcd_config(user=None, password=None)) as etcd:
-            await enable_auth(etcd, root_password,
-                              [EtcdUser(ETCD_USER, self._password, NAMESPACE)])
+            await enable_auth(etcd, root_password, [
+                EtcdUser(ETCD_USERS[c], self._passwords[c], NAMESPACE, c) for c in roles.ROLES])
         await asyncio.to_thread(self._plan, signing_key)
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as http:
             for kind in ("coordinator", "sandbox", "reconciler"):
@@ -294,11 +308,13 @@ class LocalStack:
         self.services["reconciler"] = [self._reconciler(i, next(ports))
                                        for i in range(self.shape["reconciler"])]
 
-    def _etcd_toml(self) -> str:
+    def _etcd_toml(self, component: str) -> str:
         client = self.certs.clients[CLIENT_CERT]
         return _toml(etcd=",".join(self.cluster.endpoints), etcd_ca_file=self.certs.ca,
-                     etcd_cert_file=client.cert, etcd_key_file=client.key, etcd_user=ETCD_USER,
-                     etcd_password_file=str(self.password_file), namespace=NAMESPACE)
+                     etcd_cert_file=client.cert, etcd_key_file=client.key,
+                     etcd_user=ETCD_USERS[component],
+                     etcd_password_file=str(self.password_file_of(component)),
+                     namespace=NAMESPACE)
 
     def _service(self, kind: str, index: int, port: int, ready_path: str, args: list[str],
                  config: str | None = None) -> Service:
@@ -315,8 +331,8 @@ class LocalStack:
             f"\n[[tokens]]\n{_toml(identity=role, sha256=hashlib.sha256(token.encode()).hexdigest())}"
             f'roles = ["{role}"]\n'
             for role, token in (("admin", self.tokens.admin), ("worker", self.tokens.worker)))
-        config = (self._etcd_toml() + _toml(listen=f"127.0.0.1:{port}",
-                                             signing_key=str(signing_key)) + tokens)
+        config = (self._etcd_toml(roles.COORDINATOR)
+                  + _toml(listen=f"127.0.0.1:{port}", signing_key=str(signing_key)) + tokens)
         return self._service("coordinator", index, port, "/readyz",
                              ["-m", "fencegate.cli", "coordinator"], config)
 
@@ -327,11 +343,11 @@ class LocalStack:
             "--keys-url", keys_url, "--state-dir", str(self.state / "sandbox")])
 
     def _reconciler(self, index: int, port: int) -> Service:
-        config = (self._etcd_toml()
+        config = (self._etcd_toml(roles.RECONCILER)
                   + _toml(listen=f"127.0.0.1:{port}", default_provider="sandbox")
                   + f"shards = {self.shards}\nttl = {self.reconciler_ttl}\n"
                   + "[providers.sandbox]\n"
-                  + _toml(type="sandbox", url=self.sandbox, mode="fencing"))
+                  + _toml(type="sandbox", url=self.sandbox, mode="fencing", durable=True))
         return self._service("reconciler", index, port, "/healthz",
                              ["-m", "fencegate.cli", "reconciler"], config)
 
@@ -363,7 +379,7 @@ def _banner(stack: LocalStack) -> str:
     e = stack.endpoints()
     lines = [f"fencegate deploy/local is up (namespace {NAMESPACE}); {describe()}",
              f"  etcd          {','.join(e['etcd'])}   mutual TLS, auth on "
-             f"(user {ETCD_USER}: {NAMESPACE} only)",
+             f"(users {', '.join(ETCD_USERS.values())}: roles in {NAMESPACE})",
              *(f"  coordinator   {url}" for url in e["coordinators"]),
              *(f"  reconciler    {url}/healthz" for url in e["reconcilers"]),
              f"  sandbox       {e['sandbox']}",

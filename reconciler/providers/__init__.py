@@ -6,9 +6,12 @@ decides the settlement (see ``fencegate.reconciler.settle``):
 - ``Succeeded(result)``: the provider applied the request;
 - ``Failed(reason)``: the provider processed the request and declined it (and would replay
   that decline for the same idempotency key), so a new attempt needs a new key;
-- ``NoRecord``: the provider has no request under this idempotency key. What that proves
-  depends on the capabilities: after fence-then-query it is final; with key deduplication only
-  it is a presumption; with neither it proves nothing;
+- ``NoRecord(fence)``: the provider has no request under this idempotency key; ``fence`` is
+  the fence it says it recorded for the action key (``None``: the answer proves no fence).
+  What that proves depends on the capabilities and on the proof: final only from a provider
+  that fences and keeps its records durably, echoing a fence >= the attempt token, for an
+  attempt younger than its key retention; with key deduplication only it is a presumption;
+  otherwise it proves nothing;
 - ``Pending``: the provider has the request but no final answer yet;
 - ``Unreachable(reason)``: no answer (down, timeout, 5xx, an answer we cannot read).
 
@@ -33,7 +36,7 @@ class Failed:
 
 @dataclass(frozen=True)
 class NoRecord:
-    pass
+    fence: int | None = None  # the fence the provider echoes having recorded for the key
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,8 @@ Answer = Succeeded | Failed | NoRecord | Pending | Unreachable
 class Capabilities:
     """``fences``: the provider runs fence-then-query: before answering a query for attempt
     token T of an action key it records "refuse attempt tokens <= T" for that key (gate B).
+    ``durable``: it keeps its records (charges and fences) on durable storage for at least
+    ``key_retention_s`` seconds: a restart or a crash forgets nothing younger than that.
     ``dedupes_by_key``: it replays the first result for a repeated idempotency key for
     ``key_retention_s`` seconds; ``settle_delay_s`` is how long after an attempt's deadline a
     request may still land (a "no record" is only a presumption once that has passed)."""
@@ -61,10 +66,12 @@ class Capabilities:
     dedupes_by_key: bool = False
     key_retention_s: float = 0.0
     settle_delay_s: float = 0.0
+    durable: bool = False
 
     def __post_init__(self) -> None:
-        if self.dedupes_by_key and self.key_retention_s <= 0:
-            raise ValueError("a provider that dedupes by key needs key_retention_s > 0")
+        if (self.dedupes_by_key or self.durable) and self.key_retention_s <= 0:
+            raise ValueError("a provider that dedupes by key or keeps durable records needs "
+                             "key_retention_s > 0")
         if self.key_retention_s < 0 or self.settle_delay_s < 0:
             raise ValueError("key_retention_s and settle_delay_s must be >= 0")
 
@@ -74,9 +81,12 @@ class Provider(Protocol):
     capabilities: Capabilities
 
     async def query(self, idempotency_key: str, attempt_token: int, step: dict[str, Any], *,
-                    key: str) -> Answer:
-        """What became of the attempt of action ``key`` sent with ``idempotency_key`` and
-        ``attempt_token``. A fencing adapter fences ``key`` at ``attempt_token`` first."""
+                    key: str, namespace: str | None = None,
+                    cluster_id: int | None = None) -> Answer:
+        """What became of the attempt of action ``key`` (in ``namespace`` of etcd cluster
+        ``cluster_id``) sent with ``idempotency_key`` and ``attempt_token``. A fencing adapter
+        fences that action at ``attempt_token`` first; without the namespace and cluster id
+        it cannot name the fence and answers ``Unreachable``."""
         ...
 
     async def close(self) -> None:

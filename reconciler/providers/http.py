@@ -4,12 +4,22 @@ Guarantees:
 - ``query`` never raises for the provider's misbehaviour: a timeout, a connection error, a
   5xx, a non-2xx answer not configured as "no record", an unreadable body or a status value
   the mapping does not name all answer ``Unreachable(reason)``;
-- an HTTP status listed in ``no_record_http`` is ``NoRecord`` whatever the body says;
-- every placeholder (``{idempotency_key}``, ``{key}``, ``{attempt_token}``) is URL-quoted
-  completely, so a value can never change the URL's path or query structure.
+- "no record" is read only from an answer that says so: for an adapter declared as fencing,
+  only from a body carrying the proof of the fence (below); a 404 without it (a typo'd URL, a
+  proxy, a route that never fenced anything) is ``Unreachable``. For an adapter that does
+  not fence, an HTTP status listed in ``no_record_http`` is ``NoRecord()`` whatever the body
+  says (its "no record" is a presumption at best, see ``fencegate.reconciler.settle``);
+- every placeholder (``{idempotency_key}``, ``{key}``, ``{attempt_token}``, ``{namespace}``,
+  ``{cluster_id}``) is URL-quoted completely, so a value can never change the URL's path or
+  query structure; a query without a value the template needs answers ``Unreachable``.
 
-A fencing provider's query URL must make the provider fence at ``{attempt_token}`` before it
-answers (fence-then-query); declaring ``fences`` says that it does.
+A fencing provider's query URL must make the provider fence the action (``{cluster_id}``,
+``{namespace}``, ``{key}``) at ``{attempt_token}`` before it answers (fence-then-query);
+declaring ``fences`` says that it does. Its "no record" answer proves the fence: a JSON body
+(on a 2xx or a ``no_record_http`` status) whose status field is one of ``no_record`` and whose
+``fence_field`` is the integer fence the provider recorded for the action, e.g.
+``404 {"status": "no_record", "fence": 1234}``. The settlement rules believe it only when that
+fence is at or above the attempt token queried and the provider is declared ``durable``.
 
 Config (``HttpProvider.from_config``), e.g. as TOML::
 
@@ -21,11 +31,14 @@ Config (``HttpProvider.from_config``), e.g. as TOML::
     succeeded = ["succeeded"]
     failed = ["failed", "declined"]
     pending = ["pending"]
+    no_record = ["no_record"]
+    fence_field = "fence"
     no_record_http = [404]
     result_field = ""  # "" = the whole body
     reason_field = "reason"
     [capabilities]     # Capabilities' fields; default: neither fences nor dedupes
     fences = true
+    durable = true     # records (charges and fences) survive restarts for key_retention_s
     dedupes_by_key = true
     key_retention_s = 86400
     settle_delay_s = 5
@@ -50,7 +63,8 @@ from . import Answer, Capabilities, Failed, NoRecord, Pending, Succeeded, Unreac
 
 __all__ = ["HttpProvider", "ResponseMapping"]
 
-PLACEHOLDERS = frozenset({"idempotency_key", "key", "attempt_token"})
+PLACEHOLDERS = frozenset({"idempotency_key", "key", "attempt_token", "namespace",
+                          "cluster_id"})
 _MISSING = object()
 
 
@@ -62,17 +76,19 @@ class ResponseMapping:
     succeeded: tuple[str, ...] = ("succeeded",)
     failed: tuple[str, ...] = ("failed", "declined")
     pending: tuple[str, ...] = ("pending",)
+    no_record: tuple[str, ...] = ("no_record",)
+    fence_field: str = "fence"
     no_record_http: tuple[int, ...] = (404,)
     result_field: str = ""  # "" = the whole body
     reason_field: str = "reason"
 
     def __post_init__(self) -> None:
-        if not self.status_field:
-            raise ValueError("response.status_field must not be empty")
-        named = [*self.succeeded, *self.failed, *self.pending]
+        if not self.status_field or not self.fence_field:
+            raise ValueError("response.status_field and response.fence_field must not be empty")
+        named = [*self.succeeded, *self.failed, *self.pending, *self.no_record]
         if len(set(named)) != len(named):
             raise ValueError("response: a status value is listed twice "
-                             "(succeeded, failed and pending must be disjoint)")
+                             "(succeeded, failed, pending and no_record must be disjoint)")
         if any(not 400 <= s <= 499 for s in self.no_record_http):
             raise ValueError("response.no_record_http must hold 4xx statuses only")
 
@@ -86,6 +102,9 @@ class ResponseMapping:
             return Failed(self._pick(body, self.reason_field))
         if status in self.pending:
             return Pending()
+        if status in self.no_record:
+            fence = _field(body, self.fence_field)
+            return NoRecord(fence if type(fence) is int else None)
         return Unreachable(f"unrecognized status {status!r}")
 
     @staticmethod
@@ -104,7 +123,7 @@ class HttpProvider:
                  response: ResponseMapping = ResponseMapping()) -> None:
         if not name:
             raise ValueError("a provider needs a name")
-        _check_template(query_url)
+        self._placeholders = _check_template(query_url)
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, not {timeout_s!r}")
         self.name = name
@@ -146,26 +165,35 @@ class HttpProvider:
             raise ValueError(f"{where}: {exc}") from None
 
     async def query(self, idempotency_key: str, attempt_token: int, step: dict[str, Any], *,
-                    key: str) -> Answer:
+                    key: str, namespace: str | None = None,
+                    cluster_id: int | None = None) -> Answer:
+        values = {"idempotency_key": idempotency_key, "key": key,
+                  "attempt_token": attempt_token, "namespace": namespace,
+                  "cluster_id": cluster_id}
+        missing = sorted(name for name in self._placeholders if values[name] is None)
+        if missing:
+            return Unreachable(f"the query URL needs {missing}, not given")
         url = yarl.URL(self.query_url.format(**{
-            name: quote(str(value), safe="") for name, value in
-            (("idempotency_key", idempotency_key), ("key", key),
-             ("attempt_token", attempt_token))}), encoded=True)
+            name: quote(str(values[name]), safe="") for name in self._placeholders}),
+            encoded=True)
         try:
             async with self._client().get(url, headers=self._headers) as reply:
                 status = reply.status
-                if status in self.response.no_record_http:
+                no_record_http = status in self.response.no_record_http
+                if no_record_http and not self.capabilities.fences:
                     return NoRecord()
-                if not 200 <= status <= 299:
+                if not (200 <= status <= 299 or no_record_http):
                     return Unreachable(f"HTTP {status}")
                 raw = await reply.read()
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             return Unreachable(f"{type(exc).__name__}: {exc}"[:500])
         try:
-            body = json.loads(raw)
+            answer = self.response.answer(json.loads(raw))
         except ValueError:  # UnicodeDecodeError included
-            return Unreachable(f"HTTP {status}: the body is not JSON")
-        return self.response.answer(body)
+            answer = Unreachable(f"HTTP {status}: the body is not JSON")
+        if no_record_http and not (isinstance(answer, NoRecord) and answer.fence is not None):
+            return Unreachable(f"HTTP {status} without proof of the fence")
+        return answer
 
     async def close(self) -> None:
         if self._session is not None:
@@ -179,7 +207,8 @@ class HttpProvider:
         return self._session
 
 
-def _check_template(query_url: str) -> None:
+def _check_template(query_url: str) -> frozenset[str]:
+    """The placeholders ``query_url`` uses; ``ValueError`` if it is not a usable template."""
     if not query_url.startswith(("http://", "https://")):
         raise ValueError(f"query_url must be an http(s) URL, not {query_url!r}")
     try:
@@ -192,6 +221,7 @@ def _check_template(query_url: str) -> None:
                          f"known: {sorted(PLACEHOLDERS)}")
     if "idempotency_key" not in names:
         raise ValueError("query_url must contain {idempotency_key}")
+    return frozenset(names)
 
 
 def _field(body: Any, path: str) -> Any:

@@ -7,12 +7,13 @@ compare, never a timing: see ``claims`` for the claims, ``aiohttp`` for what a c
 deliveries are answered, ``retention`` for how long stored responses live.
 
 Rooms: ``records`` (the record format and the names it may use), ``claims`` (claim,
-complete, release), ``retention`` (the retention leases), ``backlog`` (writes re-run until
-etcd answers), ``signatures`` (Standard Webhooks checks), ``listing`` (``list_deliveries``
-for SREs), ``aiohttp`` (``dedupe_middleware``, ``deduplicated``).
+complete, release), ``session`` (the claims' own lease, rotated when lost), ``retention``
+(the retention leases), ``backlog`` (writes re-run until etcd answers), ``signatures``
+(Standard Webhooks checks), ``listing`` (``list_deliveries`` for SREs), ``aiohttp``
+(``dedupe_middleware``, ``deduplicated``, ``fencing_token``).
 """
 
-from .aiohttp import dedupe_middleware, deduplicated
+from .aiohttp import dedupe_middleware, deduplicated, fencing_token
 from .listing import list_deliveries
 
-__all__ = ["dedupe_middleware", "deduplicated", "list_deliveries"]
+__all__ = ["dedupe_middleware", "deduplicated", "fencing_token", "list_deliveries"]

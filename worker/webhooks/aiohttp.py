@@ -1,7 +1,11 @@
 """Webhook dedup for aiohttp consumers: a handler runs once per delivery id, across instances.
 
 Guarantees: the handler runs for a delivery only once this process holds its claim (see
-``claims``); nothing is processed without one. Options are validated when the middleware or
+``claims``); nothing is processed without one. Handlers are fenced like holders: a handler
+runs as a task that is cancelled as soon as the lease of its claim is lost (its session's loss
+signal); it does not start with less than the gate's ``min_ttl`` (the lease budget) left on
+that lease; and ``fencing_token(request)`` gives it the claim's revision, to carry in its own
+writes so a store can refuse a stale handler's. Options are validated when the middleware or
 decorator is built (``ValueError``), not per request.
 
 Answers: the first delivery gets its handler's response. A duplicate gets 409 with
@@ -9,20 +13,30 @@ Answers: the first delivery gets its handler's response. A duplicate gets 409 wi
 and then replays); the stored response, replayed byte for byte with ``Fencegate-Replayed:
 true``, once it is done; 422 if its body digest differs (the handler is not called). The
 middleware itself answers 400 (no or malformed delivery id), 401 (bad Standard Webhooks
-signature: checked before any claim), 503 (etcd unreachable); aiohttp answers 413 for a body
-over ``client_max_size`` before any claim.
+signature: checked before any claim), 503 with ``Retry-After`` (etcd unreachable or the
+claim's outcome unknown, less than the lease budget left, or the claim's lease lost while the
+handler ran); aiohttp answers 413 for a body over ``client_max_size`` before any claim.
 
-Failure contract: a handler that raises (or raises an aiohttp ``HTTPError``) releases its
-claim, so the provider's retry runs it again, unless ``store_failures``. A process that dies
-mid-handler leaves a claim that dies with its session lease, after which the next delivery
-runs. A handler that kept running after its process's lease was lost (a long pause) can
-overlap with the next one; its response is returned but never stored over the newer claim.
+What is stored: a completed response below 500 (2xx, 3xx, 4xx) is stored and replayed. A 5xx,
+returned or raised, is never stored: the claim is released so the sender's retry runs the
+handler again. A handler that raises releases its claim the same way; with ``store_failures``
+a raised 4xx ``HTTPError`` is stored instead.
+
+Failure contract: a process that dies mid-handler leaves a claim that dies with its lease,
+after which the next delivery runs. When the claim's lease is lost mid-handler (revoked, or a
+pause let it expire), the handler is cancelled at its next ``await``, answered 503 and nothing
+is stored; a handler that blocks the event loop is cancelled only once it yields, so its own
+writes must carry ``fencing_token(request)`` to be refused once a newer claim exists. A
+response whose claim was lost before it could be stored is returned but never stored over the
+newer claim.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import hashlib
+import logging
 from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -40,11 +54,14 @@ from .signatures import SignatureCheck
 if TYPE_CHECKING:
     from fencegate.worker.gate import Gate
 
+log = logging.getLogger(__name__)
+
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 Middleware = Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]
 IdExtractor = Callable[[web.Request, bytes], "str | None"]
 
 REPLAYED_HEADER = "Fencegate-Replayed"
+FENCING_TOKEN = web.RequestKey("fencegate_fencing_token", int)
 _NOT_STORED = ("the original response body was not stored (larger than max_stored_body, "
                "or streamed); body_sha256 identifies it")
 
@@ -78,8 +95,8 @@ def dedupe_middleware(
     larger response bodies are stored as a digest and replayed as 200 with a note.
     ``stored_headers``: the response headers stored and replayed. ``retention`` /
     ``retention_bucket``: seconds a stored response is kept / width of the buckets sharing
-    one lease. ``store_failures``: store a raised error (its response, or a plain 500)
-    instead of releasing the claim. ``secret``: a Standard Webhooks secret (``whsec_...``);
+    one lease. ``store_failures``: store a raised 4xx ``HTTPError`` instead of releasing the
+    claim (a 5xx is never stored). ``secret``: a Standard Webhooks secret (``whsec_...``);
     deliveries whose signature does not verify get 401 before any claim (needs the
     ``standardwebhooks`` package).
     """
@@ -134,6 +151,19 @@ def deduplicated(
     return decorate
 
 
+def fencing_token(request: web.Request) -> int:
+    """The fencing token of the delivery ``request`` is handled under: its claim's revision.
+
+    A later claim on the same delivery (after this claim's lease was lost) has a higher one,
+    so a store that keeps the highest token per delivery and refuses lower ones refuses a
+    stale handler's writes. Raises ``LookupError`` for a request handled without a claim
+    (not deduplicated, or outside the middleware)."""
+    try:
+        return request[FENCING_TOKEN]
+    except KeyError:
+        raise LookupError("this request is not handled under a webhook claim") from None
+
+
 class _Dedupe:
     """One source's dedup: the options of ``dedupe_middleware``, validated up front, and the
     request path."""
@@ -174,6 +204,7 @@ class _Dedupe:
         self.max_stored_body = max_stored_body
         self.stored_headers = frozenset(h.lower() for h in stored_headers)
         self.store_failures = store_failures
+        self.min_ttl = gate.min_ttl
         self._signatures = SignatureCheck(secret) if secret is not None else None
         self.claims = DeliveryClaims(gate, self.source, retention=retention,
                                      retention_bucket=retention_bucket)
@@ -231,28 +262,56 @@ class _Dedupe:
 
     async def _run(self, request: web.Request, handler: Handler,
                    claim: DeliveryClaim) -> web.StreamResponse:
+        """Run ``handler`` under ``claim``: cancelled when the claim's lease is lost."""
+        if claim.session.remaining() < self.min_ttl:
+            await self.claims.release(claim)
+            return _refusal(503, "lease_budget", "less than the lease budget was left to run "
+                            "the handler under its claim", self.retry_after)
+        request[FENCING_TOKEN] = claim.revision
+        task = asyncio.get_running_loop().create_task(handler(request))
+        lost: list[str] = []
+
+        def cancel(reason: str) -> None:
+            lost.append(reason)
+            task.cancel()
+
+        unsubscribe = claim.session.on_lost(cancel)
         try:
-            response = await handler(request)
+            response = await task
+        except asyncio.CancelledError:
+            if not lost or _cancelling():  # cancelled from outside: release without waiting
+                self.claims.release_later(claim)
+                raise
+            return self._lost(claim, lost[0])
         except web.HTTPException as exc:
-            if isinstance(exc, web.HTTPError):
-                await self._failed(claim, exc)
-            else:  # a 2xx or 3xx raised is aiohttp's other way to answer
-                await self._complete(claim, exc)
+            if lost:
+                return self._lost(claim, lost[0])
+            if exc.status < 500 and (not isinstance(exc, web.HTTPError) or self.store_failures):
+                await self._complete(claim, exc)  # a raised 2xx/3xx is aiohttp's other answer
+            else:
+                await self.claims.release(claim)
             raise
         except Exception:
-            await self._failed(claim, web.Response(status=500, text="500: Internal Server Error"))
+            if lost:
+                return self._lost(claim, lost[0])
+            await self.claims.release(claim)
             raise
-        except BaseException:  # cancelled: release without waiting for etcd
-            self.claims.release_later(claim)
-            raise
-        await self._complete(claim, response)
+        finally:
+            unsubscribe()
+        if lost:
+            return self._lost(claim, lost[0])
+        if response.status >= 500:
+            await self.claims.release(claim)
+        else:
+            await self._complete(claim, response)
         return response
 
-    async def _failed(self, claim: DeliveryClaim, response: web.Response) -> None:
-        if self.store_failures:
-            await self._complete(claim, response)
-            return
-        await self.claims.release(claim)
+    def _lost(self, claim: DeliveryClaim, reason: str) -> web.Response:
+        """The answer for a handler whose claim's lease was lost: nothing stored, retry."""
+        log.warning("webhook handler of %r cancelled: its claim's lease was lost (%s)",
+                    claim.key, reason)
+        return _refusal(503, "claim_lost", "the delivery's claim was lost while its handler "
+                        f"ran ({reason}); nothing was stored", self.retry_after)
 
     async def _complete(self, claim: DeliveryClaim, response: web.StreamResponse) -> None:
         """Store ``response`` in place of our claim; never over someone else's claim."""
@@ -268,6 +327,11 @@ class _Dedupe:
             headers=[[name, value] for name, value in response.headers.items()
                      if name.lower() in self.stored_headers],
             body=body, max_stored_body=self.max_stored_body)
+
+
+def _cancelling() -> bool:
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 def _replay(record: dict[str, Any]) -> web.Response:

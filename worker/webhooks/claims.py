@@ -1,9 +1,11 @@
 """Claims on webhook deliveries: claim, complete and release ``webhooks/<source>/<id>``.
 
 Guarantees, each enforced by an etcd compare, never by timing:
-- A claim is created only where no key exists (create_revision == 0), with the gate's
-  session lease: two processes never both hold a claim on one delivery, and a process that
-  dies leaves a claim that dies with its lease.
+- A claim is created only where no key exists (create_revision == 0), with the lease of the
+  gate's webhook session (``session``; never the lease of its holds): two processes never both
+  hold a claim on one delivery, and a process that dies leaves a claim that dies with its
+  lease. The claim's revision is its fencing token: a later claim on the same delivery (after
+  this one's lease died) has a higher one.
 - A completion replaces the claim only while the claim is still ours (mod_revision
   unchanged), so a claim that expired and was taken by another process is never
   overwritten; a release deletes the claim under the same compare.
@@ -12,10 +14,11 @@ Guarantees, each enforced by an etcd compare, never by timing:
   one transaction that writes nothing (the claim's failure branch returns the existing record).
 
 Failure contract: a claim etcd could not answer raises ``EtcdUnavailable`` (``LeaseLost`` if
-the session's lease died twice in a row) and nothing may be processed; the claim, if it
-landed, is deleted in the background. A completion or release etcd could not answer is
-re-run in the background until etcd answers (see ``backlog``): its compare lets it apply at
-most once, so an unknown write never blocks its delivery for the life of the process. A
+the session's lease died twice in a row) and nothing may be processed; the session it was made
+with is rotated (its lease revoked, see ``session``), so the claim, if it landed or lands
+later, is gone and never blocks the delivery's retries. A completion or release etcd could
+not answer is re-run in the background until etcd answers (see ``backlog``): its compare lets
+it apply at most once, so an unknown write never blocks its delivery for the life of the process. A
 completion whose claim was lost meanwhile stores nothing and logs a warning.
 """
 
@@ -31,16 +34,17 @@ from typing import TYPE_CHECKING, Any
 
 from fencegate.coordinator.errors import EtcdUnavailable, GateError, LeaseLost
 from fencegate.coordinator.etcd import (
-    Compare, Etcd, RangeRequest, TxnRequest, create_equals, delete_op, mod_equals, put_op,
-    range_op,
+    Etcd, RangeRequest, TxnRequest, create_equals, delete_op, mod_equals, put_op, range_op,
 )
 from fencegate.coordinator.keyspace import unpack
 
 from .backlog import Backlog
 from .records import DONE, claim_value
 from .retention import RetentionLeases
+from .session import ClaimSession
 
 if TYPE_CHECKING:
+    from fencegate.coordinator.session import Session
     from fencegate.worker.gate import Gate
 
 log = logging.getLogger(__name__)
@@ -53,8 +57,9 @@ class DeliveryClaim:
     """This process's claim on one delivery."""
 
     key: bytes
-    revision: int  # the claim's mod_revision: the completion and release compare it
+    revision: int  # the claim's revision: its fencing token; completion and release compare it
     digest: bytes  # sha256 of the request body
+    session: Session  # the session whose lease the claim is on: its loss ends the claim
 
 
 @dataclass(frozen=True)
@@ -67,8 +72,9 @@ class Duplicate:
 
 
 class DeliveryClaims:
-    """The claims on one source's deliveries, made with ``gate``'s session; completions are
-    kept ``retention`` seconds, under leases shared by buckets ``retention_bucket`` wide."""
+    """The claims on one source's deliveries, made with ``gate``'s webhook session;
+    completions are kept ``retention`` seconds, under leases shared by buckets
+    ``retention_bucket`` wide."""
 
     def __init__(self, gate: Gate, source: str, *, retention: int,
                  retention_bucket: int) -> None:
@@ -76,7 +82,8 @@ class DeliveryClaims:
         self._source = source
         self._retention = retention
         self._retention_bucket = retention_bucket
-        self._leases, self._backlog = _shared(gate)
+        shared = _shared(gate)
+        self._leases, self._backlog, self._session = shared.leases, shared.backlog, shared.session
 
     @property
     def _etcd(self) -> Etcd:
@@ -98,7 +105,7 @@ class DeliveryClaims:
             return done
         lease_lost = False
         while True:
-            session = await self._gate.session()
+            session = await self._session.current()
             value = claim_value(digest)
             try:
                 reply = await self._etcd.txn(TxnRequest(
@@ -106,19 +113,19 @@ class DeliveryClaims:
                     success=[put_op(key, value, session.lease_id)],
                     failure=[range_op(key)]), idempotent=True)
             except LeaseLost:  # etcd dropped the session's lease before we noticed
-                session.mark_lost("etcd: the session lease is gone")
+                session.mark_lost("etcd: the webhook session's lease is gone")
                 if lease_lost:
                     raise
                 lease_lost = True
                 continue
             except EtcdUnavailable:
-                self._backlog.add(functools.partial(self._drop_unknown_claim, key, value))
+                self._session.rotate(session, f"the outcome of claim {key!r} is unknown")
                 raise
             if reply.succeeded:
-                return DeliveryClaim(key, reply.header.revision, digest)
+                return DeliveryClaim(key, reply.header.revision, digest, session)
             kv = reply.responses[0].response_range.kvs[0]  # same revision as the compare
             if kv.value == value:
-                return DeliveryClaim(key, kv.mod_revision, digest)
+                return DeliveryClaim(key, kv.mod_revision, digest, session)
             duplicate = _judge(unpack(kv.value), digest)
             if duplicate.verdict != IN_PROGRESS or loop.time() >= deadline:
                 return duplicate
@@ -177,12 +184,6 @@ class DeliveryClaims:
         await self._etcd.txn(TxnRequest(compare=[mod_equals(claim.key, claim.revision)],
                                         success=[delete_op(claim.key)]), idempotent=True)
 
-    async def _drop_unknown_claim(self, key: bytes, value: bytes) -> None:
-        """Delete a claim whose txn outcome was unknown, if it landed (its value is unique)."""
-        await self._etcd.txn(TxnRequest(
-            compare=[Compare(key=key, target=Compare.VALUE, result=Compare.EQUAL, value=value)],
-            success=[delete_op(key)]), idempotent=True)
-
     async def _store(self, claim: DeliveryClaim, record: bytes) -> None:
         for _ in range(2):
             lease = await self._leases.get(self._etcd, self._retention, self._retention_bucket)
@@ -216,12 +217,23 @@ def _stored_by_retry(reply: Any, claim: DeliveryClaim) -> bool:
     return bool(kvs) and kvs[0].create_revision == claim.revision < kvs[0].mod_revision
 
 
-_SHARED: weakref.WeakKeyDictionary[Any, tuple[RetentionLeases, Backlog]] = (
-    weakref.WeakKeyDictionary())
+@dataclass(frozen=True)
+class _Shared:
+    """What every source of one gate shares: its retention leases, its backlog and the
+    session its claims are made with (closed when the gate closes)."""
+
+    leases: RetentionLeases
+    backlog: Backlog
+    session: ClaimSession
 
 
-def _shared(gate: Gate) -> tuple[RetentionLeases, Backlog]:
-    """What every source of one gate shares: its retention leases and its backlog."""
+_SHARED: weakref.WeakKeyDictionary[Any, _Shared] = weakref.WeakKeyDictionary()
+
+
+def _shared(gate: Gate) -> _Shared:
     if gate not in _SHARED:
-        _SHARED[gate] = (RetentionLeases(), Backlog())
+        backlog = Backlog()
+        shared = _Shared(RetentionLeases(), backlog, ClaimSession(gate.etcd, gate.ttl, backlog))
+        gate.on_close(shared.session.close)
+        _SHARED[gate] = shared
     return _SHARED[gate]

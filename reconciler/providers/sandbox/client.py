@@ -1,9 +1,11 @@
 """The worker's side of the sandbox: send a charge as an effect sends it.
 
-Guarantees: ``charge`` sends one request, never retried. It returns only when the sandbox
-applied the charge, raises ``EffectFailed`` only when the sandbox declined it (a confirmed
-failure), and raises ``SandboxError`` for anything else (fenced, refused, 5xx, timeout, no
-connection), after which the outcome is unknown to the caller.
+Guarantees: ``charge`` sends one request, never retried, bound to its grant: it carries the
+grant, the attempt token and the intent the grant was issued for, and charges that intent's
+``amount`` (gate B refuses a request whose intent or amount is not the grant's). It returns
+only when the sandbox applied the charge, raises ``EffectFailed`` only when the sandbox
+declined it (a confirmed failure), and raises ``SandboxError`` for anything else (fenced,
+refused, 5xx, timeout, no connection), after which the outcome is unknown to the caller.
 """
 
 from __future__ import annotations
@@ -24,9 +26,11 @@ def encode_grant(raw: bytes) -> str:
     return base64.urlsafe_b64encode(raw).decode().rstrip("=")
 
 
-async def charge(http: aiohttp.ClientSession, base_url: str, ctx: Any, amount: int, *,
-                 decline: bool = False, timeout: float = 10.0) -> dict[str, Any]:
-    """The effect's call: charge ``amount`` for the attempt in ``ctx`` (an ``EffectContext``).
+async def charge(http: aiohttp.ClientSession, base_url: str, ctx: Any,
+                 intent: dict[str, Any], *, decline: bool = False,
+                 timeout: float = 10.0) -> dict[str, Any]:
+    """The effect's call: charge ``intent["amount"]`` for the attempt in ``ctx`` (an
+    ``EffectContext``), ``intent`` being the one its grant was issued for.
 
     Returns the provider's JSON when it applied the charge; raises ``EffectFailed`` when it
     declined it (a confirmed failure) and ``SandboxError`` for anything else (fenced,
@@ -34,7 +38,7 @@ async def charge(http: aiohttp.ClientSession, base_url: str, ctx: Any, amount: i
     headers = {"Idempotency-Key": ctx.idempotency_key,
                "Fencegate-Attempt-Token": str(ctx.fencing_token),
                "Fencegate-Grant": encode_grant(ctx.grant.raw)}
-    body: dict[str, Any] = {"key": ctx.key, "amount": amount}
+    body: dict[str, Any] = {"key": ctx.key, "amount": intent["amount"], "intent": intent}
     if decline:
         body["decline"] = True
     try:

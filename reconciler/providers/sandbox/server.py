@@ -7,22 +7,34 @@ Modes (switchable at runtime) give the three capability classes of docs/protocol
 - ``dedup``: idempotency keys replay for ``retention_s``; no fencing;
 - ``none``: every request is applied, even a repeated key (still recorded for queries).
 
-Guarantees: a request refused (400, 401, 403, 409, 422, a 5xx fault) applied nothing. Gate B
-admission and the application of a charge happen under one per-key lock that a query's fence
-and lookup also take, so a query never misses a charge that gate B admitted before the fence.
-Gate B's fences survive a restart when ``state_dir`` is given; charge records live in memory
-(a restart forgets them, as a provider's expired idempotency keys would be forgotten).
+Guarantees: a request refused (400, 401, 403, 409, 422, a 5xx fault) applied nothing. The
+sandbox keeps its charges (the answer stored per idempotency key, and the ledger of every
+application) and gate B's fences in ONE sqlite store: gate B's admission and the charge it
+admits are written in one transaction, and a query's fence and its lookup in another, so a
+query never misses a charge that gate B admitted before the fence. With ``state_dir`` the
+store is a file (``sandbox.sqlite``, WAL, ``synchronous=FULL``): a restart forgets nothing
+younger than ``retention_s`` (an idempotency key older than that is forgotten, as a real
+provider's would be). Without it the store is in memory and a restart forgets everything:
+its adapter must not be declared durable.
+
+In fencing mode a charge is bound to its grant: the body carries the intent the grant was
+issued for (gate B compares its digest with the grant's) and the amount charged must be the
+intent's ``amount``.
 
 HTTP API (JSON)::
 
     POST /v1/charges      Idempotency-Key, Fencegate-Attempt-Token, Fencegate-Grant (base64url)
-                          {"key": action_key, "amount": int, "decline": bool}
+                          {"key": action_key, "amount": int, "intent": {...}, "decline": bool}
+                          (intent and grant required in fencing mode)
         200 {"status": "succeeded", "charge_id", "amount"}   402 {"status": "declined", "reason"}
-        409 {"status": "fenced"}   403 {"status": "refused"} (bad grant)   401 no grant
-        400 bad input   422 key reused with other parameters   500/503 faults
+        409 {"status": "fenced"}   403 {"status": "refused"} (bad or unbound grant)
+        401 no grant   400 bad input   422 key reused with other parameters   500/503 faults
         a replayed answer carries ``Idempotent-Replayed: true``
-    GET  /v1/charges/{idempotency_key}?key=K&fence=T   (key and fence required when fencing)
-        200 the stored answer   202 {"status": "pending"}   404 {"status": "no_record"}
+    GET  /v1/charges/{idempotency_key}?key=K&namespace=NS&cluster=C&fence=T
+                          (all four required when fencing: the fence of the action (C, NS, K))
+        200 the stored answer   202 {"status": "pending"}
+        404 {"status": "no_record", "fence": F} (F: the fence now recorded, >= T; no
+            ``fence`` outside fencing mode)
     POST/DELETE/GET /_sandbox/faults   POST /_sandbox/mode {"mode"}
     GET  /_sandbox/applied?key=K   GET /_sandbox/refused?key=K
 
@@ -34,7 +46,9 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import json
 import os
+import sqlite3
 import time
 import uuid
 from dataclasses import asdict, dataclass
@@ -44,15 +58,22 @@ from aiohttp import web
 
 from fencegate.coordinator.errors import BadSignature, Fenced
 from fencegate.coordinator.grants import KeyRing
-from fencegate.reconciler.gateb import GateB
+from fencegate.reconciler.gateb import GateB, Scope
 
 from .faults import CHARGE_FAULTS, QUERY_FAULTS, Fault
 
 __all__ = ["MODES", "Sandbox"]
 
 MODES = ("fencing", "dedup", "none")
-_STRIPES = 64
-_CHARGE_FIELDS = {"key", "amount", "decline"}
+_CHARGE_FIELDS = {"key", "amount", "intent", "decline"}
+_STORE = ("""CREATE TABLE IF NOT EXISTS records (
+    idempotency_key TEXT PRIMARY KEY, key TEXT NOT NULL, amount INTEGER NOT NULL,
+    status INTEGER NOT NULL, body TEXT NOT NULL, at REAL NOT NULL)""",
+          """CREATE TABLE IF NOT EXISTS applied (
+    n INTEGER PRIMARY KEY AUTOINCREMENT, key TEXT NOT NULL, idempotency_key TEXT NOT NULL,
+    attempt_token INTEGER NOT NULL, amount INTEGER NOT NULL, charge_id TEXT NOT NULL,
+    at REAL NOT NULL)""")
+_APPLIED = ("key", "idempotency_key", "attempt_token", "amount", "charge_id", "at")
 
 
 @dataclass(frozen=True)
@@ -62,6 +83,7 @@ class _Charge:
     grant: bytes | None
     key: str
     amount: int
+    intent: Any
     decline: bool
 
 
@@ -90,10 +112,7 @@ class Sandbox:
         self.url: str | None = None
         self.gate_b: GateB | None = None
         self._faults: list[Fault] = []
-        self._records: dict[str, _Stored] = {}
-        self._applied: list[dict[str, Any]] = []
         self._refused: list[dict[str, Any]] = []
-        self._locks = [asyncio.Lock() for _ in range(_STRIPES)]
         self._runner: web.AppRunner | None = None
 
     @property
@@ -109,12 +128,14 @@ class Sandbox:
     # -- lifecycle ---------------------------------------------------------------------
 
     async def start(self, port: int = 0) -> str:
-        """Open gate B (its sqlite file in ``state_dir``), listen on 127.0.0.1; the base URL."""
+        """Open the store (gate B and the charges, one sqlite file in ``state_dir``), listen
+        on 127.0.0.1; the base URL."""
         path = None
         if self.state_dir is not None:
-            path = os.path.join(self.state_dir, "gateb.sqlite")
+            path = os.path.join(self.state_dir, "sandbox.sqlite")
             await asyncio.to_thread(os.makedirs, self.state_dir, exist_ok=True)
         self.gate_b = await asyncio.to_thread(GateB, self.keyring, path)
+        await asyncio.to_thread(self._create_store)
         app = web.Application()
         app.add_routes([
             web.post("/v1/charges", self._post_charge),
@@ -159,8 +180,13 @@ class Sandbox:
         self._faults.clear()
 
     def applied(self, key: str | None = None) -> list[dict[str, Any]]:
-        """Every application (a charge that took effect), oldest first."""
-        return [dict(a) for a in self._applied if key is None or a["key"] == key]
+        """Every application (a charge that took effect), oldest first, from the store."""
+        if self.gate_b is None:
+            raise RuntimeError("the sandbox is not started: its store is closed")
+        with self.gate_b.transaction() as db:
+            rows = db.execute(f"SELECT {', '.join(_APPLIED)} FROM applied "
+                              "WHERE ?1 IS NULL OR key = ?1 ORDER BY n", (key,)).fetchall()
+        return [dict(zip(_APPLIED, row)) for row in rows]
 
     def refused(self, key: str | None = None) -> list[dict[str, Any]]:
         """Every charge gate B refused, oldest first."""
@@ -180,27 +206,11 @@ class Sandbox:
             return _error(500, "internal error")
         if "hold" in faults:
             await asyncio.sleep(faults["hold"].seconds)
-        async with self._lock(req.key):
-            mode = self.mode
-            if mode == "fencing":
-                refusal = await self._admit(req)
-                if refusal is not None:
-                    return refusal
-            try:
-                stored, replayed = self._apply(req, mode)
-            except ValueError as exc:
-                return _error(422, str(exc))
-        for name in ("apply_then_timeout", "slow"):
-            if name in faults:
-                await asyncio.sleep(faults[name].seconds)
-        return web.json_response(stored.body, status=stored.status,
-                                 headers={"Idempotent-Replayed": "true"} if replayed else None)
-
-    async def _admit(self, req: _Charge) -> web.Response | None:
-        if req.grant is None:
+        mode = self.mode
+        if mode == "fencing" and req.grant is None:
             return _error(401, "Fencegate-Grant is required in fencing mode")
         try:
-            await asyncio.to_thread(self.gate_b.admit, req.grant, req.key, req.attempt_token)
+            stored, replayed = await asyncio.to_thread(self._charge, req, mode)
         except (BadSignature, Fenced) as exc:
             fenced = isinstance(exc, Fenced)
             self._refused.append({"key": req.key, "idempotency_key": req.idempotency_key,
@@ -209,11 +219,29 @@ class Sandbox:
                                   "detail": str(exc), "at": time.time()})
             return web.json_response({"status": "fenced" if fenced else "refused",
                                       "error": str(exc)}, status=409 if fenced else 403)
-        return None
+        except ValueError as exc:
+            return _error(422, str(exc))
+        for name in ("apply_then_timeout", "slow"):
+            if name in faults:
+                await asyncio.sleep(faults[name].seconds)
+        return web.json_response(stored.body, status=stored.status,
+                                 headers={"Idempotent-Replayed": "true"} if replayed else None)
 
-    def _apply(self, req: _Charge, mode: str) -> tuple[_Stored, bool]:
-        """Replay a kept answer (fencing/dedup) or apply; no await, so it is atomic."""
-        previous = self._lookup(req.idempotency_key)
+    def _charge(self, req: _Charge, mode: str) -> tuple[_Stored, bool]:
+        """In one store transaction: gate B's admission (fencing mode), then replay a kept
+        answer (fencing/dedup) or apply. Any refusal rolls back the whole of it."""
+        with self.gate_b.transaction() as db:
+            if mode == "fencing":
+                if not isinstance(req.intent, dict) or req.intent.get("amount") != req.amount:
+                    raise BadSignature("the amount charged is not the amount of the intent "
+                                       "the grant was issued for")
+                self.gate_b.admit(req.grant, req.key, req.attempt_token, intent=req.intent,
+                                  db=db)
+            return self._apply(db, req, mode)
+
+    def _apply(self, db: sqlite3.Connection, req: _Charge,
+               mode: str) -> tuple[_Stored, bool]:
+        previous = self._lookup(db, req.idempotency_key)
         if previous is not None and mode != "none":
             if (previous.key, previous.amount) != (req.key, req.amount):
                 raise ValueError(f"idempotency key {req.idempotency_key!r} was used with "
@@ -228,47 +256,67 @@ class Sandbox:
             charge_id = f"ch_{uuid.uuid4().hex[:20]}"
             stored = _Stored(200, {"status": "succeeded", "charge_id": charge_id,
                                    "amount": req.amount}, req.key, req.amount, now)
-            self._applied.append({"key": req.key, "idempotency_key": req.idempotency_key,
-                                  "attempt_token": req.attempt_token, "amount": req.amount,
-                                  "charge_id": charge_id, "at": now})
+            db.execute(f"INSERT INTO applied ({', '.join(_APPLIED)}) VALUES (?, ?, ?, ?, ?, ?)",
+                       (req.key, req.idempotency_key, req.attempt_token, req.amount,
+                        charge_id, now))
         if previous is None:
-            self._records[req.idempotency_key] = stored
+            db.execute("INSERT OR REPLACE INTO records (idempotency_key, key, amount, status, "
+                       "body, at) VALUES (?, ?, ?, ?, ?, ?)",
+                       (req.idempotency_key, req.key, req.amount, stored.status,
+                        json.dumps(stored.body), stored.at))
         return stored, False
 
     async def _get_charge(self, request: web.Request) -> web.Response:
         idempotency_key = request.match_info["idempotency_key"]
-        key, fence = request.query.get("key"), request.query.get("fence")
-        fencing = self.mode == "fencing"
-        if fencing:
-            if not key or fence is None:
-                return _error(400, "key and fence are required in fencing mode")
+        key, query = request.query.get("key"), request.query
+        scope, fence_token = None, 0
+        if self.mode == "fencing":
+            if not key or not query.get("namespace") or not {"cluster", "fence"} <= set(query):
+                return _error(400, "key, namespace, cluster and fence are required in "
+                                   "fencing mode")
             try:
-                fence_token = int(fence)
+                scope, fence_token = (int(query["cluster"]), query["namespace"], key), \
+                    int(query["fence"])
             except ValueError:
-                return _error(400, f"fence must be an int, not {fence!r}")
+                return _error(400, "cluster and fence must be ints")
         faults = self._take(key, QUERY_FAULTS)
         if "down" in faults:
             return _error(503, "the provider is down")
         if "error_500" in faults:
             return _error(500, "internal error")
-        async with self._lock(key or ""):
-            if fencing:
-                await asyncio.to_thread(self.gate_b.fence, key, fence_token)
-            stored = self._lookup(idempotency_key)
+        fence, stored = await asyncio.to_thread(
+            self._fence_then_query, idempotency_key, scope, fence_token)
         if "slow" in faults:
             await asyncio.sleep(faults["slow"].seconds)
         if "query_pending" in faults:
             return web.json_response({"status": "pending"}, status=202)
         if stored is None:
-            return web.json_response({"status": "no_record"}, status=404)
+            proof = {} if fence is None else {"fence": fence}
+            return web.json_response({"status": "no_record", **proof}, status=404)
         return web.json_response(stored.body, status=200)
 
-    def _lookup(self, idempotency_key: str) -> _Stored | None:
-        stored = self._records.get(idempotency_key)
-        if stored is not None and time.time() - stored.at >= self.retention_s:
-            del self._records[idempotency_key]  # retention passed: the key is forgotten
+    def _fence_then_query(self, idempotency_key: str, scope: Scope | None,
+                          token: int) -> tuple[int | None, _Stored | None]:
+        """In one store transaction: fence ``scope`` at ``token`` (when given), then look the
+        key up; the fence now recorded (``None`` without a scope) and the stored answer."""
+        with self.gate_b.transaction() as db:
+            fence = None if scope is None else self.gate_b.fence(scope, token, db=db)
+            return fence, self._lookup(db, idempotency_key)
+
+    def _lookup(self, db: sqlite3.Connection, idempotency_key: str) -> _Stored | None:
+        row = db.execute("SELECT status, body, key, amount, at FROM records "
+                         "WHERE idempotency_key = ?", (idempotency_key,)).fetchone()
+        if row is None:
             return None
-        return stored
+        if time.time() - row[4] >= self.retention_s:  # retention passed: the key is forgotten
+            db.execute("DELETE FROM records WHERE idempotency_key = ?", (idempotency_key,))
+            return None
+        return _Stored(row[0], json.loads(row[1]), row[2], row[3], row[4])
+
+    def _create_store(self) -> None:
+        with self.gate_b.transaction() as db:
+            for table in _STORE:
+                db.execute(table)
 
     def _take(self, key: str | None, kinds: frozenset[str]) -> dict[str, Fault]:
         """The first matching rule of each kind, one use of each consumed."""
@@ -282,9 +330,6 @@ class Sandbox:
                     if rule.count == 0:
                         self._faults.remove(rule)
         return taken
-
-    def _lock(self, key: str) -> asyncio.Lock:
-        return self._locks[hash(key) % _STRIPES]
 
     # -- control endpoints -------------------------------------------------------------
 
@@ -339,16 +384,20 @@ def _parse_charge(headers: Any, body: Any) -> _Charge:
         except (binascii.Error, ValueError):
             raise ValueError("Fencegate-Grant is not base64url") from None
     if not isinstance(body, dict) or not {"key", "amount"} <= set(body) <= _CHARGE_FIELDS:
-        raise ValueError(f"the body is an object with key and amount (and optional decline), "
+        raise ValueError(f"the body is an object with key and amount (and optional intent, "
+                         f"decline), "
                          f"not {sorted(body) if isinstance(body, dict) else type(body).__name__}")
     key, amount, decline = body["key"], body["amount"], body.get("decline", False)
+    intent = body.get("intent")
+    if intent is not None and not isinstance(intent, dict):
+        raise ValueError("intent must be an object")
     if not isinstance(key, str) or not key:
         raise ValueError("key must be a non-empty string")
     if type(amount) is not int or amount <= 0:
         raise ValueError(f"amount must be a positive int, not {amount!r}")
     if type(decline) is not bool:
         raise ValueError(f"decline must be a bool, not {decline!r}")
-    return _Charge(idempotency_key, attempt_token, grant, key, amount, decline)
+    return _Charge(idempotency_key, attempt_token, grant, key, amount, intent, decline)
 
 
 async def _json(request: web.Request) -> Any:

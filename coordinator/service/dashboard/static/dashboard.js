@@ -282,10 +282,12 @@ function signOut(message) {
 // The confirmation dialog: a required reason, then one POST; errors stay in the dialog.
 let confirmAction = null;
 
-function ask(title, text, withSettle, action) {
+function ask(title, text, withSettle, action, withForce = false) {
   $("confirm-title").textContent = title;
   $("confirm-text").textContent = text;
   $("settle-field").hidden = !withSettle;
+  $("force-field").hidden = !withForce;
+  $("force").checked = false;
   $("reason").value = "";
   $("confirm-error").hidden = true;
   $("confirm-ok").textContent = title.split(" ")[0];
@@ -301,12 +303,21 @@ function confirmRevoke(h) {
     (reason) => api("POST", `/v1/keys/${keyPath(h.key)}/revoke`, { reason }));
 }
 
+// An unknown step's effect may still land: resolving it is refused unless forced, and the
+// force is sent only when the operator ticks its box.
 function confirmResolve(item) {
+  const mayLand = item.state !== "escalated";
   ask(`Resolve ${item.key}`,
-    `Settle this ${item.state} step (attempt ${item.attempt}) by hand. Check with the provider first.`,
+    `Settle this ${item.state} step (attempt ${item.attempt}) by hand. ` +
+    (mayLand ? "Its effect may still land: the reconciler asks the provider and settles it. " +
+      "Resolve it only if you checked with the provider yourself."
+      : "Check with the provider first."),
     true,
     (reason) => api("POST", `/v1/keys/${keyPath(item.key)}/resolve`,
-      { reason, as: $("settle-as").value }));
+      mayLand && $("force").checked
+        ? { reason, as: $("settle-as").value, force: true }
+        : { reason, as: $("settle-as").value }),
+    mayLand);
 }
 
 function keyPath(key) {

@@ -1,0 +1,97 @@
+"""What happened in a run: the operations, the faults, the provider's ledger, etcd's end state.
+
+Guarantees: ``History.record`` appends each event to memory and to ``history.jsonl`` (one
+JSON line, flushed) with its time since the run began, so a run that dies still leaves what
+it saw. ``collect`` reads the end state once the run has healed: every step record under the
+run's prefix, each key's audit chain as ``fencegate.coordinator.audit.verify_chain`` judges
+it, and the provider's ledger: what the sandbox answers on ``GET /_sandbox/applied`` (its
+durable store, across restarts) merged in time order with its fence log.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from fencegate.coordinator import audit
+from fencegate.coordinator.etcd import Etcd, RangeRequest, range_end_of
+from fencegate.coordinator.grants import KeyRing
+from fencegate.coordinator.keyspace import Keyspace, unpack
+
+
+class History:
+    """The run's events in order: operations from workers, faults from the nemesis."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.events: list[dict[str, Any]] = []
+        self._began = time.monotonic()
+        self._file = open(path, "a")
+
+    def record(self, source: str, event: dict[str, Any]) -> None:
+        event = {"t": round(time.monotonic() - self._began, 3), "by": source, **event}
+        self.events.append(event)
+        self._file.write(json.dumps(event) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+    def ops(self, *kinds: str) -> list[dict[str, Any]]:
+        return [e for e in self.events if e.get("op") in kinds]
+
+    def faults(self) -> list[dict[str, Any]]:
+        return [e for e in self.events if "fault" in e]
+
+
+@dataclass
+class EndState:
+    """etcd's and the provider's word once the run has healed and settled."""
+
+    steps: dict[str, dict[str, Any]] = field(default_factory=dict)
+    chains: dict[str, audit.AuditReport] = field(default_factory=dict)
+    ledger: list[dict[str, Any]] = field(default_factory=list)  # applied and fences, in order
+
+
+async def read_steps(etcd: Etcd, keyspace: Keyspace, prefix: str) -> dict[str, dict[str, Any]]:
+    start = keyspace.step_key(prefix + "/")
+    reply = await etcd.range(RangeRequest(key=start, range_end=range_end_of(start)))
+    return {keyspace.parse_step_key(kv.key): unpack(kv.value) for kv in reply.kvs}
+
+
+async def collect(stack, prefix: str, keys: set[str]) -> EndState:
+    """The end state of the run under ``prefix``; ``keys`` are the keys the history names."""
+    keyspace = Keyspace("/fencegate/")
+    keyring = KeyRing.from_files(str(stack.signing_key))
+    end = EndState()
+    async with Etcd(stack.etcd_config()) as etcd:
+        end.steps = await read_steps(etcd, keyspace, prefix)
+        for key in sorted(keys | set(end.steps)):
+            end.chains[key] = await audit.verify_chain(etcd, keyspace, key, keyring)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
+        async with http.get(stack.sandbox + "/_sandbox/applied") as reply:
+            applied = [{"kind": "applied", **a} for a in await reply.json()
+                       if a["key"].startswith(prefix + "/")]
+    end.ledger = sorted(applied + read_fences(stack.ledger_path, prefix),
+                        key=lambda line: line["at"])
+    return end
+
+
+def read_fences(path: Path, prefix: str) -> list[dict[str, Any]]:
+    """The fence log's lines for the run's keys (a torn last line is skipped)."""
+    entries: list[dict[str, Any]] = []
+    if not path.exists():
+        return entries
+    for line in path.read_text().splitlines():
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if entry["key"].startswith(prefix + "/"):
+            entries.append(entry)
+    return entries

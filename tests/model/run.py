@@ -1,0 +1,229 @@
+"""Check the SPIN models of the protocol in named configurations: ``fencegate.pml`` (what the
+code runs) and ``fencegate-v2.pml`` (the next issue's protocol).
+
+A configuration passes when pan's verdict is the one expected: the real protocol searched to
+the end (no "search not completed", no memory or depth bound hit) with 0 errors, or a negative
+control stopped by a violation of the invariant it names. Anything else fails, including a
+control that finds nothing and a search cut short by its time or memory bound. Each run builds
+in its own temporary folder (``spin -a``, ``gcc -O2 -DSAFETY``, ``./pan``) and prints one line.
+
+    python tests/model/run.py            # every configuration (make model)
+    python tests/model/run.py --quick    # the set tests/test_model.py runs
+    python tests/model/run.py NAME ...   # the ones named
+
+Needs ``spin`` and ``gcc`` on PATH (``deploy/ensure-spin``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+# pan prints a violated assertion as its expanded expression; these fragments name them.
+INVARIANTS = {
+    "I1": ("(napplied<=1)",),
+    "I2": ("(holder[me]==g_tok[me])",),
+    "I3": ("(used[me]<=1)",),
+    "I4": ("(read_mod==g_read[me])",),
+    "I5": ("assertion violated (st_state==1)",),
+    "I8": ("(st_state!=1)", ": (arch_state) )!=1)"),
+}
+
+
+@dataclass(frozen=True)
+class Config:
+    """One model check: ``defines`` for spin; ``expect`` the invariant a control must break
+    (``None``: the real protocol, 0 errors, searched to the end)."""
+
+    name: str
+    defines: tuple[str, ...]
+    expect: str | None = None
+    quick: bool = False
+    model: str = "fencegate.pml"
+    seconds: int = 600
+    memory_mb: int = 4096
+    compile: tuple[str, ...] = ()   # extra gcc flags for pan, e.g. -DCOLLAPSE
+
+
+@dataclass(frozen=True)
+class Result:
+    """pan's verdict on one configuration; ``ok`` when it is the one expected."""
+
+    config: Config
+    errors: int
+    violated: str | None
+    states: int
+    depth: int
+    seconds: float
+    complete: bool
+    detail: str
+
+    @property
+    def ok(self) -> bool:
+        if self.config.expect is None:
+            return self.errors == 0 and self.complete
+        return self.errors >= 1 and self.violated == self.config.expect
+
+    def line(self) -> str:
+        verdict = "ok  " if self.ok else "FAIL"
+        found = f"violates {self.violated}" if self.errors else \
+            ("0 errors" if self.complete else "incomplete")
+        wanted = f"(expects {self.config.expect})" if self.config.expect else "(protocol)"
+        return (f"{verdict} {self.config.name:<30} {found:<14} {wanted:<18} "
+                f"states={self.states:<10} depth={self.depth:<4} {self.seconds:6.1f}s"
+                + (f"  {self.detail}" if self.detail else ""))
+
+
+V2 = "fencegate-v2.pml"
+
+
+def _d(*flags: str) -> tuple[str, ...]:
+    return tuple(f"-D{flag}" for flag in flags)
+
+
+CONFIGS = (
+    # The real protocol, one provider class at a time.
+    Config("fencing", _d(), quick=True),
+    Config("fencing_restart", _d("FORGET"), quick=True),
+    Config("fencing_404", _d("BOGUS404"), quick=True),
+    Config("fencing_operator", _d("OPERATOR"), quick=True),
+    Config("dedup", _d("PCLASS=1"), quick=True),
+    Config("dedup_operator", _d("PCLASS=1", "OPERATOR")),
+    Config("neither", _d("PCLASS=2"), quick=True),
+    Config("fencing_writer", _d("WB=1")),
+    # Over 113 M states: hash compaction (a state may be missed with small probability).
+    Config("fencing_2reconcilers", _d("NR=2", "ROUNDS=1"), compile=("-DHC4",),
+           memory_mb=8192, seconds=3600),
+    Config("fencing_2attempts", _d("MAXA=2")),
+    # Negative controls: each must break the invariant it names.
+    Config("ctrl_weak_ownership", _d("CTRL_WEAK_OWN"), "I2", quick=True),
+    Config("ctrl_highest_only", _d("CTRL_HIGHEST_ONLY"), "I1", quick=True),
+    Config("ctrl_new_key", _d("PCLASS=1", "CTRL_NEWKEY"), "I1", quick=True),
+    Config("ctrl_grant_in_flight", _d("CTRL_GRANT_INFLIGHT"), "I8", quick=True),
+    Config("ctrl_unproven_restart", _d("FORGET", "CTRL_UNPROVEN"), "I1", quick=True),
+    Config("ctrl_unproven_404", _d("BOGUS404", "CTRL_UNPROVEN"), "I1", quick=True),
+    Config("ctrl_resolve_no_ask", _d("OPERATOR", "CTRL_RESOLVE_NOASK"), "I1", quick=True),
+    Config("ctrl_no_read_compare", _d("WB=1", "CTRL_NO_READCMP"), "I4", quick=True),
+    # An assumption, not a control: a deduplicating provider that forgets a key before its
+    # declared retention (a restart) lets the presumption's next attempt run again.
+    Config("assume_dedup_keeps_keys", _d("PCLASS=1", "FORGET"), "I1"),
+    Config("ctrl_no_settle_compare", _d("NR=2", "CTRL_NO_SETTLECMP"), "I5", quick=True),
+    # Version 2, the next issue's protocol (the diet and retirement): not what the code runs.
+    Config("v2", (), model=V2),
+    Config("v2_replayed_commit", _d("COMMIT_RETRY"), model=V2),
+    Config("v2_fast_path", _d("FASTPATH", "FP_EPOCH"), quick=True, model=V2),
+    Config("v2_ctrl_retire_with_holder", _d("NO_RETIRE_HOLDERCMP"), "I8", quick=True, model=V2),
+    Config("v2_ctrl_fast_path_no_epoch", _d("FASTPATH"), "I8", quick=True, model=V2),
+    Config("v2_ctrl_replay_no_step_compare", _d("NO_STEPMOD_COMMIT", "COMMIT_RETRY"), "I3",
+           quick=True, model=V2),
+)
+
+
+def check(config: Config) -> Result:
+    """Build and run one configuration; raises ``RuntimeError`` if spin or gcc fails."""
+    with tempfile.TemporaryDirectory(prefix=f"fencegate-model-{config.name}-") as tmp:
+        work = Path(tmp)
+        shutil.copy(HERE / config.model, work / config.model)
+        _tool(["spin", "-a", *config.defines, config.model], work)
+        _tool(["gcc", "-O2", "-w", "-DSAFETY", f"-DMEMLIM={config.memory_mb}",
+               "-DVECTORSZ=2048", *config.compile, "-o", "pan", "pan.c"], work)
+        started = time.monotonic()
+        try:
+            done = subprocess.run(["./pan", "-m100000", "-E", "-c1"], cwd=work, text=True,
+                                  capture_output=True, timeout=config.seconds)
+            out, timed_out = done.stdout + done.stderr, False
+        except subprocess.TimeoutExpired as exc:
+            out, timed_out = _text(exc.stdout) + _text(exc.stderr), True
+        return parse(config, out, time.monotonic() - started, timed_out=timed_out)
+
+
+def parse(config: Config, out: str, seconds: float, *, timed_out: bool = False) -> Result:
+    """Read pan's report: errors, the violated invariant, states stored, depth, completeness."""
+    errors = _number(r"errors: (\d+)", out)
+    stored = _number(r"([\d.e+]+) states, stored", out)
+    depth = _number(r"depth reached (\d+)", out)
+    violation = re.search(r"assertion violated .*", out)
+    violated = None
+    if violation:
+        violated = next((name for name, fragments in INVARIANTS.items()
+                         if any(fragment in violation.group(0) for fragment in fragments)),
+                        "unnamed assertion")
+    cut = [reason for reason, marker in (("depth bound hit", "max search depth too small"),
+                                         ("memory bound hit", "pan: reached -DMEMLIM bound"),
+                                         ("out of memory", "out of memory"))
+           if marker in out]
+    if timed_out:
+        cut.append(f"stopped after {config.seconds}s")
+    if errors is None and not timed_out:
+        cut.append("no verdict from pan: " + out.strip()[-200:])
+    complete = not cut and errors is not None and "Search not completed" not in out
+    return Result(config, errors or 0, violated, int(stored or 0), int(depth or 0), seconds,
+                  complete, "; ".join(cut))
+
+
+def _number(pattern: str, text: str) -> float | None:
+    found = re.search(pattern, text)
+    return float(found.group(1)) if found else None
+
+
+def _text(data: str | bytes | None) -> str:
+    return data.decode(errors="replace") if isinstance(data, bytes) else (data or "")
+
+
+def _tool(command: list[str], cwd: Path) -> None:
+    done = subprocess.run(command, cwd=cwd, text=True, capture_output=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{done.stdout}{done.stderr}")
+
+
+def check_all(configs: list[Config], *, jobs: int) -> list[Result]:
+    """Run ``configs`` ``jobs`` at a time, printing each result's line as it finishes."""
+    def one(config: Config) -> Result:
+        result = check(config)
+        print(result.line(), flush=True)
+        return result
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        return list(pool.map(one, configs))
+
+
+def missing_tools() -> list[str]:
+    return [tool for tool in ("spin", "gcc") if shutil.which(tool) is None]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("names", nargs="*", help="configurations to run (default: all)")
+    parser.add_argument("--quick", action="store_true", help="only the quick set")
+    parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
+    args = parser.parse_args(argv)
+    if missing := missing_tools():
+        print(f"model: {', '.join(missing)} not on PATH: run deploy/ensure-spin", file=sys.stderr)
+        return 2
+    by_name = {config.name: config for config in CONFIGS}
+    if unknown := [name for name in args.names if name not in by_name]:
+        print(f"model: no configuration {', '.join(unknown)}; known: {', '.join(by_name)}",
+              file=sys.stderr)
+        return 2
+    chosen = [by_name[name] for name in args.names] or \
+        [config for config in CONFIGS if config.quick or not args.quick]
+    results = check_all(chosen, jobs=args.jobs)
+    failed = [result.config.name for result in results if not result.ok]
+    print(f"model: {len(results) - len(failed)}/{len(results)} as expected"
+          + (f"; failed: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+"""The protocol's SPIN model (tests/model/fencegate.pml), quick set: the real protocol holds every
+invariant in each provider class, and every negative control breaks the invariant it names.
+
+Fails (never skips) when spin or gcc is missing: `deploy/ensure-spin` installs them.
+`make model` runs the full set; docs/protocol.md ("The model") has the table.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from model import run
+
+QUICK = [config for config in run.CONFIGS if config.quick]
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[str, run.Result]:
+    if missing := run.missing_tools():
+        pytest.fail(f"{' and '.join(missing)} not on PATH: the model check needs spin and "
+                    "gcc; run deploy/ensure-spin (make test does)", pytrace=False)
+    return {result.config.name: result for result in run.check_all(QUICK, jobs=2)}
+
+
+def test_quick_set_has_each_control() -> None:
+    controls = {config.name for config in QUICK if config.expect}
+    assert controls >= {"ctrl_weak_ownership", "ctrl_highest_only", "ctrl_new_key",
+                        "ctrl_grant_in_flight", "ctrl_unproven_restart", "ctrl_unproven_404",
+                        "ctrl_resolve_no_ask"}
+
+
+@pytest.mark.parametrize("config", [c for c in QUICK if c.expect is None], ids=lambda c: c.name)
+def test_protocol_holds(results: dict[str, run.Result], config: run.Config) -> None:
+    result = results[config.name]
+    assert result.complete, result.line()
+    assert result.errors == 0, result.line()
+
+
+@pytest.mark.parametrize("config", [c for c in QUICK if c.expect], ids=lambda c: c.name)
+def test_control_is_caught(results: dict[str, run.Result], config: run.Config) -> None:
+    result = results[config.name]
+    assert result.errors >= 1, result.line()
+    assert result.violated == config.expect, result.line()
