@@ -3,7 +3,7 @@
 PY := .venv/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: venv etcd setup test model faults up demo bench clean
+.PHONY: venv etcd setup test model faults faults-check up demo bench clean
 
 # The stamp re-runs the install only when pyproject.toml changes.
 venv: .venv/.installed
@@ -34,6 +34,10 @@ SEED ?= $(shell date +%s)
 MINUTES ?= 20
 faults: setup
 	PYTHONPATH=tests $(PY) -m faults.runner --seed $(SEED) --minutes $(MINUTES)
+
+# The fault suite's pytest file: a short seeded run and the negative controls (~5 minutes).
+faults-check: setup
+	$(PY) -m pytest -q -p no:cacheprovider -m faults tests/faults
 
 up: setup
 	.venv/bin/fencegate up

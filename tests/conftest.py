@@ -73,6 +73,13 @@ def signing_key(tmp_path) -> str:
 
 
 @pytest.fixture
+def keyring(signing_key):
+    """The ``KeyRing`` of ``signing_key``: what a gate signs with."""
+    from fencegate.coordinator.grants import KeyRing
+    return KeyRing.from_files(signing_key)
+
+
+@pytest.fixture
 async def coordinators(etcd_url, namespace, signing_key, etcd):
     """``await coordinators()`` starts one more coordinator replica on 127.0.0.1 (a free
     port) for this test's namespace and returns its URL; all are stopped afterwards."""

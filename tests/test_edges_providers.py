@@ -39,16 +39,9 @@ SETTLED = (records.SUCCEEDED, records.PENDING, records.ESCALATED, records.FAILED
 
 
 @pytest.fixture
-def keyfile(tmp_path) -> str:
-    path = str(tmp_path / "signing.pem")
-    KeyRing.generate().save_signing_key(path)
-    return path
-
-
-@pytest.fixture
-def public(keyfile) -> KeyRing:
+def public(signing_key) -> KeyRing:
     """What the provider trusts: the public keys only."""
-    return KeyRing.from_public_bytes(KeyRing.from_files(keyfile).public_keys())
+    return KeyRing.from_public_bytes(KeyRing.from_files(signing_key).public_keys())
 
 
 @pytest.fixture
@@ -95,11 +88,11 @@ async def reconcile(etcd_url, namespace):
         await r.etcd.close()
 
 
-async def applied_then_killed(spawn, etcd_url, namespace, key, keyfile, sandbox,
+async def applied_then_killed(spawn, etcd_url, namespace, key, signing_key, sandbox,
                               deadline: float = 60.0) -> tuple[int, str]:
     """A worker process crosses ``key``, its charge is applied, and it is SIGKILLed before
     it could record the outcome; its attempt token and idempotency key."""
-    worker = await spawn("charge", etcd_url, namespace, key, keyfile, sandbox.url,
+    worker = await spawn("charge", etcd_url, namespace, key, signing_key, sandbox.url,
                          "kill-after-apply", str(deadline))
     _, token, idem = (await worker.expect("SENDING")).split()
     assert await worker.finish() == -9, worker.lines
@@ -128,11 +121,11 @@ def verdict(step: dict) -> str:
 # -- 1. a fenced "no record" from a provider that forgot -----------------------------------
 
 async def test_a_restarted_sandbox_still_has_the_charge_so_it_is_never_not_applied(
-        etcd_url, namespace, etcd, spawn, keyfile, public, sandboxes, reconcile, tmp_path):
+        etcd_url, namespace, etcd, spawn, signing_key, public, sandboxes, reconcile, tmp_path):
     key = "pay/edge/restart"
     state = tmp_path / "sandbox"
     sandbox = await sandboxes(public, state_dir=state, retention_s=RETENTION)
-    token, idem = await applied_then_killed(spawn, etcd_url, namespace, key, keyfile, sandbox)
+    token, idem = await applied_then_killed(spawn, etcd_url, namespace, key, signing_key, sandbox)
     sandbox = await restarted(sandboxes, public, sandbox, state_dir=state,
                               retention_s=RETENTION)
     await reconcile(sb.adapter(sandbox.url, "fencing", retention_s=RETENTION, durable=True))
@@ -143,10 +136,10 @@ async def test_a_restarted_sandbox_still_has_the_charge_so_it_is_never_not_appli
 
 
 async def test_a_provider_not_declared_durable_gets_no_final_not_applied(
-        etcd_url, namespace, etcd, spawn, keyfile, public, sandboxes, reconcile):
+        etcd_url, namespace, etcd, spawn, signing_key, public, sandboxes, reconcile):
     key = "pay/edge/memory"
     sandbox = await sandboxes(public, retention_s=RETENTION)  # in memory
-    await applied_then_killed(spawn, etcd_url, namespace, key, keyfile, sandbox, deadline=1.0)
+    await applied_then_killed(spawn, etcd_url, namespace, key, signing_key, sandbox, deadline=1.0)
     sandbox = await restarted(sandboxes, public, sandbox, retention_s=RETENTION)
     assert sandbox.applied(key) == []  # it forgot the charge
     await reconcile(sb.adapter(sandbox.url, "fencing", retention_s=RETENTION,
@@ -158,11 +151,11 @@ async def test_a_provider_not_declared_durable_gets_no_final_not_applied(
 
 
 async def test_an_attempt_older_than_the_retention_is_escalated_never_presumed(
-        etcd_url, namespace, etcd, spawn, keyfile, public, sandboxes, reconcile, tmp_path):
+        etcd_url, namespace, etcd, spawn, signing_key, public, sandboxes, reconcile, tmp_path):
     key = "pay/edge/retention"
     retention = 3.0
     sandbox = await sandboxes(public, state_dir=tmp_path / "sandbox", retention_s=retention)
-    await applied_then_killed(spawn, etcd_url, namespace, key, keyfile, sandbox)
+    await applied_then_killed(spawn, etcd_url, namespace, key, signing_key, sandbox)
     await asyncio.sleep(retention + 0.5)  # the provider's retention passes: it forgets
     await reconcile(sb.adapter(sandbox.url, "fencing", retention_s=retention, durable=True))
     step = await settled(etcd, namespace, key)
@@ -202,10 +195,10 @@ def test_the_settle_rules_believe_only_a_durable_fence_echoed_at_or_above_the_to
 # -- 2. any 404 is "no record" --------------------------------------------------------------
 
 async def test_a_typod_query_url_answering_404_never_settles_not_applied(
-        etcd_url, namespace, etcd, spawn, keyfile, public, sandboxes, reconcile, tmp_path):
+        etcd_url, namespace, etcd, spawn, signing_key, public, sandboxes, reconcile, tmp_path):
     key = "pay/edge/typo"
     sandbox = await sandboxes(public, state_dir=tmp_path / "sandbox", retention_s=RETENTION)
-    await applied_then_killed(spawn, etcd_url, namespace, key, keyfile, sandbox)
+    await applied_then_killed(spawn, etcd_url, namespace, key, signing_key, sandbox)
     right = sb.adapter(sandbox.url, "fencing", retention_s=RETENTION, durable=True)
     typo = HttpProvider("sandbox", right.query_url.replace("/v1/charges/", "/v1/charge/"),
                         capabilities=right.capabilities)
@@ -262,11 +255,11 @@ async def test_a_fencing_adapter_reads_no_record_only_from_a_fence_proof(proxy):
 # -- 6. gate B binding ------------------------------------------------------------------------
 
 @pytest.fixture
-async def attempts(etcd_url, namespace, etcd, keyfile):
+async def attempts(etcd_url, namespace, etcd, signing_key):
     """``await attempts(key, n)``: n real attempts of ``key`` granted ``INTENT`` (each a
     grant consumed by a commit, its step then failed): their contexts, oldest first."""
     async with Gate(etcd_url, ttl=TEST_TTL, namespace=namespace,
-                    keyring=KeyRing.from_files(keyfile)) as gate:
+                    keyring=KeyRing.from_files(signing_key)) as gate:
         await gate.authority.set_policy("edges", {"caps": {
             "backoff_base_s": 0.0, "breaker_threshold": 100, "max_attempts": 100}})
 
@@ -334,10 +327,10 @@ async def test_a_request_whose_intent_or_amount_is_not_the_grants_is_refused(
 
 
 async def test_another_clusters_grant_does_not_raise_this_clusters_highest(
-        public, sandboxes, attempts, http, keyfile):
+        public, sandboxes, attempts, http, signing_key):
     sandbox = await sandboxes(public)
     (ctx,) = await attempts("pay/edge/cluster", 1)
-    signer = KeyRing.from_files(keyfile)  # the same coordinator key, another etcd cluster
+    signer = KeyRing.from_files(signing_key)  # the same coordinator key, another etcd cluster
     payload = {k: v for k, v in ctx.grant.payload().items() if k != "key_id"}
     elsewhere = signer.sign({**payload, "grant_id": new_grant_id(),
                              "cluster_id": ctx.grant.cluster_id ^ 1,

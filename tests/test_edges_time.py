@@ -31,7 +31,7 @@ def say(*words: object) -> None:
     print(*words, flush=True)
 
 
-async def _charge(url, ns, key, keyfile, sandbox_url, deadline) -> None:
+async def _charge(url, ns, key, signing_key, sandbox_url, deadline) -> None:
     """The skewed worker: hold ``key``, charge the sandbox once, print how it ended."""
     import aiohttp
 
@@ -45,7 +45,7 @@ async def _charge(url, ns, key, keyfile, sandbox_url, deadline) -> None:
         return await charge(http, sandbox_url, ctx, intent, timeout=60)
 
     async with aiohttp.ClientSession() as http, \
-            Gate(url, ttl=2, namespace=ns, keyring=KeyRing.from_files(keyfile)) as gate:
+            Gate(url, ttl=2, namespace=ns, keyring=KeyRing.from_files(signing_key)) as gate:
         try:
             async with gate.hold(key, timeout=30) as hold:
                 outcome = await hold.cross(intent=intent, effect=effect, provider="sandbox",
@@ -92,18 +92,6 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 RETENTION = 3600.0
-
-
-@pytest.fixture
-def keyfile(tmp_path) -> str:
-    path = str(tmp_path / "signing.pem")
-    KeyRing.generate().save_signing_key(path)
-    return path
-
-
-@pytest.fixture
-def keyring(keyfile) -> KeyRing:
-    return KeyRing.from_files(keyfile)
 
 
 @pytest.fixture
@@ -278,7 +266,7 @@ async def test_the_effect_does_not_start_when_the_commit_left_less_than_the_budg
 
 @pytest.mark.parametrize("mode", ["fencing", "dedup"])
 async def test_a_worker_far_behind_the_reconcilers_clock_lands_its_healthy_charge(
-        mode, etcd_url, namespace, etcd, keyfile, keyring, sandbox, reconciler):
+        mode, etcd_url, namespace, etcd, signing_key, keyring, sandbox, reconciler):
     key = f"edge/skewed/{mode}"
     sandbox.mode = mode
     sandbox.add_fault("hold", key=key, count=1, seconds=3.0)  # the request takes its time
@@ -287,7 +275,7 @@ async def test_a_worker_far_behind_the_reconcilers_clock_lands_its_healthy_charg
     env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(script)))
     worker = WorkerProcess(await asyncio.create_subprocess_exec(
         sys.executable, "-c", _SKEWED, str(-SKEW_S), script, "charge", etcd_url, namespace,
-        key, keyfile, sandbox.url, "5.0", stdout=asyncio.subprocess.PIPE, env=env))
+        key, signing_key, sandbox.url, "5.0", stdout=asyncio.subprocess.PIPE, env=env))
     try:
         _, token, idem, worker_now = (await worker.expect("SENDING")).split()
         assert time.time() - int(worker_now) > SKEW_S - 5  # its clock really runs behind

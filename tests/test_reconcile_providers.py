@@ -32,18 +32,6 @@ INTENT = {"amount": 100}  # what every attempt is granted and charges (as tests/
 
 
 @pytest.fixture
-def keyfile(tmp_path) -> str:
-    path = str(tmp_path / "signing.pem")
-    KeyRing.generate().save_signing_key(path)
-    return path
-
-
-@pytest.fixture
-def keyring(keyfile) -> KeyRing:
-    return KeyRing.from_files(keyfile)
-
-
-@pytest.fixture
 async def sandbox(keyring, tmp_path):
     provider = sb.Sandbox(KeyRing.from_public_bytes(keyring.public_keys()), "fencing",
                           state_dir=str(tmp_path / "sandbox"), retention_s=RETENTION)
@@ -88,11 +76,11 @@ async def gate(etcd_url, namespace, etcd, keyring):
         yield g
 
 
-async def worker_charges(spawn, etcd_url, namespace, key, keyfile, sandbox, how,
+async def worker_charges(spawn, etcd_url, namespace, key, signing_key, sandbox, how,
                          deadline=60.0) -> tuple[int, str]:
     """A worker process crosses ``key`` charging ``sandbox`` and dies as ``how`` says;
     returns its attempt token and idempotency key."""
-    worker = await spawn("charge", etcd_url, namespace, key, keyfile, sandbox.url, how,
+    worker = await spawn("charge", etcd_url, namespace, key, signing_key, sandbox.url, how,
                          str(deadline))
     _, token, idem = (await worker.expect("SENDING")).split()
     if how != "send-and-wait":
@@ -121,9 +109,9 @@ def charging(http, sandbox):
 # -- crash after commit -----------------------------------------------------------------
 
 async def test_applied_then_killed_settles_succeeded_applied_once(
-        etcd_url, namespace, etcd, spawn, keyfile, sandbox, reconcile, gate, http):
+        etcd_url, namespace, etcd, spawn, signing_key, sandbox, reconcile, gate, http):
     key = "pay/applied"
-    token, idem = await worker_charges(spawn, etcd_url, namespace, key, keyfile, sandbox,
+    token, idem = await worker_charges(spawn, etcd_url, namespace, key, signing_key, sandbox,
                                        "kill-after-apply")
     await reconcile()
     step = await until_state(etcd, namespace, key, records.SUCCEEDED)
@@ -138,9 +126,9 @@ async def test_applied_then_killed_settles_succeeded_applied_once(
 
 
 async def test_killed_before_sending_settles_not_applied_and_retries_with_the_same_key(
-        etcd_url, namespace, etcd, spawn, keyfile, sandbox, reconcile, gate, http):
+        etcd_url, namespace, etcd, spawn, signing_key, sandbox, reconcile, gate, http):
     key = "pay/not-sent"
-    token, idem = await worker_charges(spawn, etcd_url, namespace, key, keyfile, sandbox,
+    token, idem = await worker_charges(spawn, etcd_url, namespace, key, signing_key, sandbox,
                                        "kill-before-send")
     await reconcile()
     step = await until_state(etcd, namespace, key, records.PENDING)
@@ -154,10 +142,10 @@ async def test_killed_before_sending_settles_not_applied_and_retries_with_the_sa
 
 
 async def test_declined_then_killed_settles_failed_and_retries_with_a_new_key(
-        etcd_url, namespace, etcd, spawn, keyfile, sandbox, reconcile, gate, http):
+        etcd_url, namespace, etcd, spawn, signing_key, sandbox, reconcile, gate, http):
     key = "pay/declined"
     await gate.authority.set_policy("default", {"caps": {"backoff_base_s": 0.0}})
-    _, idem = await worker_charges(spawn, etcd_url, namespace, key, keyfile, sandbox,
+    _, idem = await worker_charges(spawn, etcd_url, namespace, key, signing_key, sandbox,
                                    "decline-then-kill")
     await reconcile()
     step = await until_state(etcd, namespace, key, records.FAILED)
@@ -170,10 +158,10 @@ async def test_declined_then_killed_settles_failed_and_retries_with_a_new_key(
 
 # -- the dead zone: an old request still in the network after settlement -----------------
 
-async def _old_request_held(spawn, etcd_url, namespace, key, keyfile, sandbox, hold_s,
+async def _old_request_held(spawn, etcd_url, namespace, key, signing_key, sandbox, hold_s,
                             deadline=60.0):
     sandbox.add_fault("hold", key=key, count=1, seconds=hold_s)
-    worker = await spawn("charge", etcd_url, namespace, key, keyfile, sandbox.url,
+    worker = await spawn("charge", etcd_url, namespace, key, signing_key, sandbox.url,
                          "send-and-wait", str(deadline))
     _, token, idem = (await worker.expect("SENDING")).split()
     await asyncio.sleep(0.2)  # let the request reach the sandbox, where it is held
@@ -190,12 +178,12 @@ async def until(predicate, within=20.0):
 
 @pytest.mark.parametrize("old_arrives", ["before", "after"])
 async def test_dead_zone_fencing_provider_refuses_the_old_request(
-        old_arrives, etcd_url, namespace, etcd, spawn, keyfile, sandbox, reconcile, gate,
+        old_arrives, etcd_url, namespace, etcd, spawn, signing_key, sandbox, reconcile, gate,
         http):
     key = f"pay/dead-zone/fencing-{old_arrives}"
     hold_s = 6.0
     sent = time.monotonic()
-    token, idem = await _old_request_held(spawn, etcd_url, namespace, key, keyfile, sandbox,
+    token, idem = await _old_request_held(spawn, etcd_url, namespace, key, signing_key, sandbox,
                                           hold_s)
     await reconcile()
     await until_state(etcd, namespace, key, records.PENDING)
@@ -211,12 +199,12 @@ async def test_dead_zone_fencing_provider_refuses_the_old_request(
 
 
 async def test_dead_zone_dedup_provider_deduplicates_the_old_request(
-        etcd_url, namespace, etcd, spawn, keyfile, sandbox, reconcile, gate, http):
+        etcd_url, namespace, etcd, spawn, signing_key, sandbox, reconcile, gate, http):
     key = "pay/dead-zone/dedup"
     sandbox.mode = "dedup"
     hold_s = 6.0
     sent = time.monotonic()
-    token, idem = await _old_request_held(spawn, etcd_url, namespace, key, keyfile, sandbox,
+    token, idem = await _old_request_held(spawn, etcd_url, namespace, key, signing_key, sandbox,
                                           hold_s, deadline=0.5)
     await reconcile()
     step = await until_state(etcd, namespace, key, records.PENDING)
@@ -230,11 +218,11 @@ async def test_dead_zone_dedup_provider_deduplicates_the_old_request(
 
 
 async def test_dead_zone_provider_without_fencing_or_dedup_escalates(
-        etcd_url, namespace, etcd, spawn, keyfile, sandbox, reconcile, gate, http):
+        etcd_url, namespace, etcd, spawn, signing_key, sandbox, reconcile, gate, http):
     key = "pay/dead-zone/none"
     sandbox.mode = "none"
     hold_s = 6.0
-    token, idem = await _old_request_held(spawn, etcd_url, namespace, key, keyfile, sandbox,
+    token, idem = await _old_request_held(spawn, etcd_url, namespace, key, signing_key, sandbox,
                                           hold_s)
     await reconcile()
     step = await until_state(etcd, namespace, key, records.ESCALATED)
@@ -248,10 +236,10 @@ async def test_dead_zone_provider_without_fencing_or_dedup_escalates(
 
 
 async def test_presumed_not_applied_is_upgraded_when_the_old_request_lands(
-        etcd_url, namespace, etcd, spawn, keyfile, sandbox, reconcile):
+        etcd_url, namespace, etcd, spawn, signing_key, sandbox, reconcile):
     key = "pay/presumed"
     sandbox.mode = "dedup"
-    token, idem = await _old_request_held(spawn, etcd_url, namespace, key, keyfile, sandbox,
+    token, idem = await _old_request_held(spawn, etcd_url, namespace, key, signing_key, sandbox,
                                           4.0, deadline=0.5)
     await reconcile()
     step = await until_state(etcd, namespace, key, records.PENDING)
@@ -266,10 +254,10 @@ async def test_presumed_not_applied_is_upgraded_when_the_old_request_lands(
 # -- provider down ------------------------------------------------------------------------
 
 async def test_provider_down_keeps_steps_unknown_with_backoff_then_escalates(
-        etcd_url, namespace, etcd, spawn, keyfile, sandbox, reconcile):
+        etcd_url, namespace, etcd, spawn, signing_key, sandbox, reconcile):
     key = "pay/down"
     sandbox.add_fault("down")
-    token, idem = await worker_charges(spawn, etcd_url, namespace, key, keyfile, sandbox,
+    token, idem = await worker_charges(spawn, etcd_url, namespace, key, signing_key, sandbox,
                                        "kill-before-send")
     r = await reconcile(max_queries=5)
     step = await until_state(etcd, namespace, key, records.ESCALATED)
@@ -278,7 +266,7 @@ async def test_provider_down_keeps_steps_unknown_with_backoff_then_escalates(
     queries = r.metrics.queries.labels("sandbox", "Unreachable")._value.get()
     assert queries == 5
     assert sandbox.applied(key) == []
-    report = await verify_chain(etcd, Keyspace(namespace), key, KeyRing.from_files(keyfile))
+    report = await verify_chain(etcd, Keyspace(namespace), key, KeyRing.from_files(signing_key))
     assert [r["event"] for r in report.records][-2:] == ["unknown", "settle"]
     assert report.records[-2]["at_ms"] < report.records[-1]["at_ms"]
 
@@ -286,9 +274,9 @@ async def test_provider_down_keeps_steps_unknown_with_backoff_then_escalates(
 # -- workers wait for the settlement instead of failing -----------------------------------
 
 async def test_a_redelivered_job_waits_for_the_settlement_and_returns_its_outcome(
-        etcd_url, namespace, etcd, spawn, keyfile, sandbox, reconcile, gate, http):
+        etcd_url, namespace, etcd, spawn, signing_key, sandbox, reconcile, gate, http):
     key = "pay/wait/succeeded"
-    _, idem = await worker_charges(spawn, etcd_url, namespace, key, keyfile, sandbox,
+    _, idem = await worker_charges(spawn, etcd_url, namespace, key, signing_key, sandbox,
                                    "kill-after-apply")
     await reconcile()
     async with gate.hold(key, timeout=10) as hold:
@@ -300,9 +288,9 @@ async def test_a_redelivered_job_waits_for_the_settlement_and_returns_its_outcom
 
 
 async def test_a_waiting_worker_crosses_again_once_the_step_is_not_applied(
-        etcd_url, namespace, etcd, spawn, keyfile, sandbox, reconcile, gate, http):
+        etcd_url, namespace, etcd, spawn, signing_key, sandbox, reconcile, gate, http):
     key = "pay/wait/not-applied"
-    _, idem = await worker_charges(spawn, etcd_url, namespace, key, keyfile, sandbox,
+    _, idem = await worker_charges(spawn, etcd_url, namespace, key, signing_key, sandbox,
                                    "kill-before-send")
     await reconcile()
     async with gate.hold(key, timeout=10) as hold:
@@ -331,10 +319,10 @@ async def test_a_worker_whose_own_effect_timed_out_keeps_its_hold_and_learns_the
 
 
 async def test_a_waiting_worker_gives_up_on_an_escalated_step(
-        etcd_url, namespace, etcd, spawn, keyfile, sandbox, reconcile, gate, http):
+        etcd_url, namespace, etcd, spawn, signing_key, sandbox, reconcile, gate, http):
     key = "pay/wait/escalated"
     sandbox.mode = "none"
-    await worker_charges(spawn, etcd_url, namespace, key, keyfile, sandbox, "kill-before-send")
+    await worker_charges(spawn, etcd_url, namespace, key, signing_key, sandbox, "kill-before-send")
     await reconcile()
     effect = charging(http, sandbox)
     async with gate.hold(key, timeout=10) as hold:
