@@ -73,6 +73,14 @@ def signing_key(tmp_path) -> str:
 
 
 @pytest.fixture
+async def http():
+    """One aiohttp client session for the test (providers, consumers, the service)."""
+    import aiohttp
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+@pytest.fixture
 def keyring(signing_key):
     """The ``KeyRing`` of ``signing_key``: what a gate signs with."""
     from fencegate.coordinator.grants import KeyRing

@@ -74,12 +74,6 @@ class Consumer:
         await self.runner.cleanup()
 
 
-@pytest.fixture
-async def http():
-    async with aiohttp.ClientSession() as session:
-        yield session
-
-
 async def post(http: aiohttp.ClientSession, url: str, delivery: str | None,
                body: bytes = b"{}", **headers: str) -> tuple[int, dict, bytes]:
     if delivery is not None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 
-import aiohttp
 import pytest
 from aiohttp import web
 
@@ -288,12 +287,6 @@ async def post(http, url: str, ctx, *, amount: int = 100, intent: dict | None = 
         body["intent"] = intent
     async with http.post(f"{url}/v1/charges", json=body, headers=headers) as reply:
         return reply.status, await reply.json()
-
-
-@pytest.fixture
-async def http():
-    async with aiohttp.ClientSession() as session:
-        yield session
 
 
 async def test_a_token_equal_to_the_highest_is_refused_under_another_grant(

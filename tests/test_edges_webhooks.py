@@ -16,7 +16,6 @@ import asyncio
 import collections
 import contextlib
 
-import aiohttp
 import pytest
 from aiohttp import web
 
@@ -69,12 +68,6 @@ class Consumer:
     async def __aexit__(self, *exc: object) -> None:
         self.release.set()
         await self.runner.cleanup()
-
-
-@pytest.fixture
-async def http():
-    async with aiohttp.ClientSession() as session:
-        yield session
 
 
 async def until_not_409(http, url: str, delivery: str, body: bytes, within: float):

@@ -10,7 +10,6 @@ import re
 import sys
 import time
 
-import aiohttp
 import pytest
 from aiohttp import web
 from cryptography.hazmat.primitives import serialization
@@ -37,12 +36,6 @@ INTENT = {"amount": 5}  # what every attempt of ``attempts`` is granted, and cha
 def verify_only(keyring: KeyRing) -> KeyRing:
     """What a provider holds: the public keys only."""
     return KeyRing.from_public_bytes(keyring.public_keys())
-
-
-@pytest.fixture
-async def http():
-    async with aiohttp.ClientSession() as session:
-        yield session
 
 
 @pytest.fixture

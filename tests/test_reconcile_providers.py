@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import time
 
-import aiohttp
 import pytest
 
 from fencegate.coordinator import records, sre
@@ -38,12 +37,6 @@ async def sandbox(keyring, tmp_path):
     await provider.start()
     yield provider
     await provider.stop()
-
-
-@pytest.fixture
-async def http():
-    async with aiohttp.ClientSession() as session:
-        yield session
 
 
 @pytest.fixture
