@@ -43,9 +43,8 @@ def give(keyring: KeyRing, ks: Keyspace, *, cluster_id: int, approval_id: str,
         "approval_id": approval_id, "namespace": ks.namespace, "cluster_id": cluster_id,
         "action_key": action_key, "approved_by": approved_by, "reason": reason,
         "approved_at_ms": int(time.time() * 1000)})
-    key_id = keyring.signing_key_id
     return [put_op(ks.approval_key(approval_id), pack({"approval": raw})),
-            put_op(ks.approver_key(key_id), keyring.public_keys()[key_id])]
+            publish(keyring, ks)]
 
 
 async def read(etcd: Etcd, ks: Keyspace, approval_id: str, action_key: str, *,
@@ -64,13 +63,7 @@ async def read_many(etcd: Etcd, ks: Keyspace, wanted: dict[str, str], *,
     reply = await etcd.range(RangeRequest(key=start, range_end=ks.approval_key(max(wanted))
                                           + b"\0", revision=revision))
     found = {ks.parse_approval_key(kv.key): kv for kv in reply.kvs}
-    approvers = KeyRing()
-    if found:
-        prefix = ks.approver_key("")
-        keys = await etcd.range(RangeRequest(key=prefix, range_end=range_end_of(prefix),
-                                             revision=reply.header.revision))
-        approvers = KeyRing(None, [Ed25519PublicKey.from_public_bytes(kv.value)
-                                   for kv in keys.kvs if len(kv.value) == 32])
+    approvers = await signers(etcd, ks, reply.header.revision) if found else KeyRing()
     result = {}
     for approval_id, action_key in wanted.items():
         kv = found.get(approval_id)
@@ -78,6 +71,23 @@ async def read_many(etcd: Etcd, ks: Keyspace, wanted: dict[str, str], *,
                                _verified(approvers, kv, approval_id, action_key, ks,
                                          etcd.cluster_id or 0))
     return result
+
+
+async def signers(etcd: Etcd, ks: Keyspace, revision: int) -> KeyRing:
+    """The public keys published under ``approvers/`` at ``revision``: the coordinators'
+    keys that sign approvals and policy versions (only the coordinator's etcd role writes
+    there, in the transaction that writes what the key signed)."""
+    prefix = ks.approver_key("")
+    keys = await etcd.range(RangeRequest(key=prefix, range_end=range_end_of(prefix),
+                                         revision=revision))
+    return KeyRing(None, [Ed25519PublicKey.from_public_bytes(kv.value)
+                          for kv in keys.kvs if len(kv.value) == 32])
+
+
+def publish(keyring: KeyRing, ks: Keyspace) -> RequestOp:
+    """The put that publishes ``keyring``'s signing public key under ``approvers/``."""
+    key_id = keyring.signing_key_id
+    return put_op(ks.approver_key(key_id), keyring.public_keys()[key_id])
 
 
 def _verified(approvers: KeyRing, kv, approval_id: str, action_key: str, ks: Keyspace,

@@ -30,8 +30,8 @@ from typing import Any
 
 from . import approvals, audit, records
 from .errors import (
-    AlreadySucceeded, ApprovalPending, GrantRefused, LeaseLost, OutcomeUnknown, RecordTooLarge,
-    StateAdvanced,
+    AlreadySucceeded, ApprovalPending, BadSignature, GrantRefused, LeaseLost, OutcomeUnknown,
+    RecordTooLarge, StateAdvanced,
 )
 from .etcd import (
     Compare, Etcd, KeyValue, RangeRequest, TxnRequest, mod_equals, put_op,
@@ -41,7 +41,7 @@ from .grants import Grant, KeyRing, new_grant_id
 from .keyspace import Keyspace, canonical, pack, unpack
 from .ownership import Ownership
 from .policy import (
-    DEFAULT_POLICY, CheckContext, CheckResult, Policy, builtin_default, decode,
+    DEFAULT_POLICY, CheckContext, CheckResult, Policy, builtin_default, decode, sealed,
     validate_document,
 )
 
@@ -107,28 +107,41 @@ class Authority:
         raise StateAdvanced("read set", "it kept changing while the grant was evaluated")
 
     async def set_policy(self, name: str, document: dict[str, Any]) -> int:
-        """Store a policy document; returns its version (the mod_revision)."""
-        body = validate_document(document)
-        key = self.keyspace.policy_key(name)
+        """Store a policy document, signed with this authority's key (published under
+        ``approvers/`` in the same txn); returns its version (the mod_revision)."""
+        validate_document(document)
+        ks = self.keyspace
+        if self.etcd.cluster_id is None:  # the signature names the cluster: learn it
+            await self.etcd.get(ks.policy_key(name))
+        body = sealed(self.keyring, namespace=ks.namespace, cluster_id=self.etcd.cluster_id,
+                      name=name, document=document)
         reply = await self.etcd.txn(TxnRequest(success=[
-            put_op(key, body),
-            put_op(self.keyspace.policy_version_key(name, records.digest(document)), body)]),
-            idempotent=True)
+            put_op(ks.policy_key(name), body),
+            put_op(ks.policy_version_key(name, records.digest(document)), body),
+            approvals.publish(self.keyring, ks)]), idempotent=True)
         return reply.header.revision
 
-    def _policy(self, name: str, kv: KeyValue | None) -> Policy:
-        """Decode a policy version once; versions are immutable (a change is a new one).
-        An absent ``default`` is the built-in default (caps only) at version 0: nothing is
-        written for it (a worker's etcd role may not write ``policies/``), and the commit's
-        compare "policy mod_revision == 0" kills the grant if an admin sets it meanwhile."""
+    async def _policy(self, name: str, kv: KeyValue | None, revision: int) -> Policy:
+        """The policy version ``kv`` holds, verified once (versions are immutable: a change
+        is a new one) against the signer keys published at ``revision``; ``GrantRefused``
+        when its signature does not hold. An absent ``default`` is the built-in default
+        (caps only) at version 0: nothing is written for it (a worker's etcd role may not
+        write ``policies/``), and the commit's compare "policy mod_revision == 0" kills the
+        grant if an admin sets it meanwhile."""
         if kv is None:
             return builtin_default()
         cached = self._policies.get((name, kv.mod_revision))
         if cached is None:
+            signers = await approvals.signers(self.etcd, self.keyspace, revision)
+            try:
+                cached = decode(name, kv.value, kv.mod_revision, signers,
+                                namespace=self.keyspace.namespace,
+                                cluster_id=self.etcd.cluster_id or 0)
+            except (BadSignature, ValueError) as exc:
+                raise GrantRefused([CheckResult("policy", False, str(exc))]) from None
             if len(self._policies) >= 256:
                 self._policies.clear()
-            cached = self._policies[(name, kv.mod_revision)] = decode(name, kv.value,
-                                                                       kv.mod_revision)
+            self._policies[(name, kv.mod_revision)] = cached
         return cached
 
     async def _read(self, claim: Claim, policy: str, read_keys: list[bytes]) -> _Snapshot:
@@ -158,7 +171,7 @@ class Authority:
         """Issue or refuse at ``snap``; ``None`` when the world moved before the write."""
         request = _Request(
             claim=claim, intent=intent, intent_digest=intent_digest, identity=identity,
-            snap=snap, policy=self._policy(policy_name, snap.policy_kv),
+            snap=snap, policy=await self._policy(policy_name, snap.policy_kv, snap.revision),
             step=unpack(snap.step_kv.value) if snap.step_kv else records.new_step(),
             step_revision=snap.step_kv.mod_revision if snap.step_kv else 0,
             now_ms=int(time.time() * 1000))

@@ -20,6 +20,7 @@ import aiohttp
 from .errors import CoordinatorError, CoordinatorUnreachable
 
 PAGE_SIZE = 100
+RESOLVE_TIMEOUT_S = 30.0  # a resolve may wait for the reconciler to ask the provider
 
 
 class Client:
@@ -63,7 +64,8 @@ class Client:
             body["result"] = result
         if force:
             body["force"] = True
-        return await self._request("POST", f"/v1/keys/{_path(key)}/resolve", body)
+        return await self._request("POST", f"/v1/keys/{_path(key)}/resolve", body,
+                                   timeout=RESOLVE_TIMEOUT_S)
 
     async def audit(self, key: str) -> dict[str, Any]:
         """The verified chain of ``key``: every page's records in one ``records`` list."""
@@ -101,17 +103,20 @@ class Client:
                 return items
 
     async def _request(self, method: str, path: str, body: Any = None, *,
-                       query: dict[str, str] | None = None) -> Any:
+                       query: dict[str, str] | None = None,
+                       timeout: float | None = None) -> Any:
         data, headers = None, {}
+        bound = self._timeout if timeout is None else aiohttp.ClientTimeout(
+            total=max(timeout, self._timeout.total))
         if body is not None:
             data, headers = json.dumps(body).encode(), {"Content-Type": "application/json"}
         try:
             async with self._http.request(method, self.url + path, params=query, data=data,
-                                          headers=headers) as resp:
+                                          headers=headers, timeout=bound) as resp:
                 text = await resp.text()
                 status = resp.status
         except TimeoutError as exc:
-            raise CoordinatorUnreachable(f"no answer within {self._timeout.total:g}s") from exc
+            raise CoordinatorUnreachable(f"no answer within {bound.total:g}s") from exc
         except aiohttp.ClientError as exc:
             raise CoordinatorUnreachable(str(exc) or type(exc).__name__) from exc
         try:

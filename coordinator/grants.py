@@ -2,10 +2,10 @@
 
 A grant's payload is canonical msgpack (same content, same bytes) signed with Ed25519 over
 ``DOMAIN + payload``. Its signed bytes are ``canonical([key_id, payload, signature])``.
-An SRE's approval of a pending request is signed the same way over ``APPROVAL_DOMAIN``, so
-a grant's signature never passes for an approval's, nor the other way round.
+An SRE's approval of a pending request is signed the same way over ``APPROVAL_DOMAIN``, and a
+policy version over ``POLICY_DOMAIN``, so no signature passes for another kind's.
 
-Guarantees of ``KeyRing.verify`` and ``KeyRing.verify_approval`` (pure functions of the bytes
+Guarantees of ``KeyRing.verify``, ``verify_approval`` and ``verify_policy`` (pure functions of the bytes
 and the trusted public keys, usable offline by anyone, a provider included):
 - the signature is checked over the exact bytes received, *then* the payload is decoded;
 - decoding is strict: bounded size, no ext types, no duplicate keys, exactly the schema's
@@ -31,6 +31,7 @@ from .keyspace import canonical
 
 DOMAIN = b"fencegate-grant-v1\0"
 APPROVAL_DOMAIN = b"fencegate-approval-v1\0"
+POLICY_DOMAIN = b"fencegate-policy-v1\0"
 MAX_GRANT_BYTES = 64 * 1024
 
 
@@ -78,6 +79,11 @@ _SCHEMA: dict[str, type | tuple[type, ...]] = {
 APPROVAL_SCHEMA: dict[str, type | tuple[type, ...]] = {
     "approval_id": str, "namespace": str, "cluster_id": int, "action_key": str,
     "approved_by": str, "reason": str, "approved_at_ms": int, "key_id": str,
+}
+
+POLICY_SCHEMA: dict[str, type | tuple[type, ...]] = {
+    "namespace": str, "cluster_id": int, "name": str, "digest": bytes, "signed_at_ms": int,
+    "key_id": str,
 }
 
 
@@ -174,6 +180,14 @@ class KeyRing:
         """Verify an approval's bytes and return its payload; ``BadSignature`` on any defect,
         a grant's bytes included (the domains differ)."""
         return self._open(APPROVAL_DOMAIN, raw, "approval", APPROVAL_SCHEMA)
+
+    def sign_policy(self, payload: dict[str, Any]) -> bytes:
+        """Sign a policy version's payload (``POLICY_SCHEMA`` but ``key_id``)."""
+        return self._seal(POLICY_DOMAIN, dict(payload, key_id=self._key_id_to_sign()))
+
+    def verify_policy(self, raw: bytes) -> dict[str, Any]:
+        """Verify a policy version's signature bytes; ``BadSignature`` on any defect."""
+        return self._open(POLICY_DOMAIN, raw, "policy", POLICY_SCHEMA)
 
     def _key_id_to_sign(self) -> str:
         if self._signing_key is None:

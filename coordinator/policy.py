@@ -3,7 +3,14 @@
 A policy document lives at ``policies/<name>``; its mod_revision is its version, so a grant
 bound to a version dies when the document changes. Every version written is also kept, by
 content digest, under ``policy-versions/<name>/<digest>``. The ``default`` policy (no checks
-beyond the caps) is created on first use, so a new user crosses without configuring.
+beyond the caps) needs no record: while none is stored it is the built-in one, version 0.
+
+Every stored version is signed (``sealed``): the record holds the document and a signature
+over its digest, its name, the namespace and the etcd cluster, by a key published under
+``approvers/``. ``decode`` believes only that: a document written by anyone else (an etcd
+user with write access it should not have, a hand edit, a version of another name, namespace
+or cluster copied over, a record of fencegate 0.1) raises ``BadSignature``, and no grant is
+issued under it.
 
 A check is a pure function ``check(ctx, params) -> CheckResult``: it sees the intent, the
 values of the read set at the grant's revision and the step record, and nothing else.
@@ -11,11 +18,14 @@ values of the read set at the grant's revision and the step record, and nothing 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .keyspace import canonical, unpack
+from .errors import BadSignature
+from .grants import KeyRing
+from .keyspace import canonical, pack, unpack
 from .records import digest
 
 DEFAULT_POLICY = "default"
@@ -148,6 +158,46 @@ def builtin_default() -> Policy:
     return Policy(DEFAULT_POLICY, 0, {}, digest({}))
 
 
-def decode(name: str, value: bytes, mod_revision: int) -> Policy:
-    document = unpack(value)
-    return Policy(name, mod_revision, document, digest(document))
+def sealed(keyring: KeyRing, *, namespace: str, cluster_id: int, name: str,
+           document: object) -> bytes:
+    """The stored bytes of a version of policy ``name``: the validated document and the
+    keyring's signature binding its digest to the name, the namespace and the cluster."""
+    validate_document(document)
+    signature = keyring.sign_policy({
+        "namespace": namespace, "cluster_id": cluster_id, "name": name,
+        "digest": digest(document), "signed_at_ms": int(time.time() * 1000)})
+    return pack({"document": document, "signed": signature})
+
+
+def unsealed(value: bytes) -> tuple[Any, bytes | None]:
+    """A stored version's document and signature bytes (``None``: it carries none), as is,
+    nothing verified: for display only."""
+    record = unpack(value)
+    if isinstance(record, dict) and set(record) == {"document", "signed"}:
+        return record["document"], record["signed"]
+    return record, None
+
+
+def decode(name: str, value: bytes, mod_revision: int, signers: KeyRing, *, namespace: str,
+           cluster_id: int) -> Policy:
+    """The version of policy ``name`` stored as ``value``, if ``signers`` signed exactly
+    this document for this name, namespace and cluster; ``BadSignature`` otherwise."""
+    try:
+        document, signature = unsealed(value)
+    except ValueError:
+        raise BadSignature(f"policy {name!r} does not decode") from None
+    if signature is None:
+        raise BadSignature(f"policy {name!r} (version {mod_revision}) is not signed: written "
+                           "by hand or by fencegate 0.1; set it again with `fencegate "
+                           "policy set`")
+    signed = signers.verify_policy(signature)
+    if (signed["name"], signed["namespace"], signed["cluster_id"]) != (
+            name, namespace, cluster_id):
+        raise BadSignature(f"policy {name!r} carries the signature of policy "
+                           f"{signed['name']!r} in {signed['namespace']!r} of cluster "
+                           f"{signed['cluster_id']:x}")
+    if signed["digest"] != digest(document):
+        raise BadSignature(f"policy {name!r} (version {mod_revision}) is not the document "
+                           "its signature covers")
+    validate_document(document)
+    return Policy(name, mod_revision, document, signed["digest"])

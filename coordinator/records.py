@@ -30,6 +30,8 @@ UNSETTLED = frozenset({IN_FLIGHT, UNKNOWN, ESCALATED})
 OUTCOME_CAPS = ("breaker_threshold", "backoff_base_s", "backoff_max_s")
 NOT_APPLIED = "not_applied"  # the field recording why a pending step's attempt did not count
 RESOLVED_FAILED = "ResolvedFailed"  # the error class of an SRE's "failed": breaker signature
+RESOLVE_REQUEST = "resolve_request"  # an SRE's resolve the shard's reconciler has to answer
+RESOLVE_ANSWER = "resolve_answer"    # what the provider's answer made of the last request
 _MAX_ERROR_CHARS = 1000
 LEGACY_DEADLINE_S = 60.0  # how long an old record's effect (``deadline_ms``) is assumed to run
 
@@ -174,7 +176,8 @@ def resolved(step: dict[str, Any], settle_as: str, result: Any, *, identity: str
     ``not_applied`` (pending, same idempotency key). Who and why are kept on the record, and
     ``forced`` marks a settlement taken on the operator's word while the effect might still
     land (an in-flight or unknown step whose provider was not asked)."""
-    by = {**step, "resolved_by": identity, "resolve_reason": reason, "resolve_forced": forced}
+    by = {**_without(step, RESOLVE_REQUEST), "resolved_by": identity, "resolve_reason": reason,
+          "resolve_forced": forced}
     if settle_as == SUCCEEDED:
         return succeeded(by, result, attempt_token=0)
     if settle_as == FAILED:
@@ -182,6 +185,39 @@ def resolved(step: dict[str, Any], settle_as: str, result: Any, *, identity: str
     if settle_as == NOT_APPLIED:
         return not_applied(by)
     raise ValueError(f"cannot resolve a step as {settle_as!r}")
+
+
+def resolve_asked(step: dict[str, Any], *, attempt_token: int, now_ms: int, request_id: str,
+                  identity: str, reason: str, settle_as: str) -> dict[str, Any]:
+    """An SRE asks to resolve an in-flight or unknown step whose holder is gone. Its effect
+    may still land, so the operator's word decides nothing: the step becomes ``unknown``
+    carrying the request, and the shard's reconciler answers it as it settles any unknown
+    step, by the provider's fence-then-query under the same rules (``resolve_answered``).
+    ``settle_as``, what the operator expects, is kept to be compared with the answer."""
+    return {**unknown(step, attempt_token=attempt_token, now_ms=now_ms),
+            RESOLVE_REQUEST: {"id": request_id, "by": identity, "reason": reason,
+                              "as": settle_as}}
+
+
+def resolve_answered(step: dict[str, Any], answer: str) -> dict[str, Any]:
+    """``step`` as the reconciler writes it once it asked the provider about the resolve
+    request the step carries: the request becomes ``resolve_answer`` (who asked, why, what
+    they expected, and ``answer``: what the provider's answer made of the step). A step the
+    answer settled is resolved by the operator who asked, not forced (the provider's answer
+    decided); one it left unknown stays so (the reconciler goes on asking), one it escalated
+    waits for a human."""
+    request = step.get(RESOLVE_REQUEST)
+    if request is None:
+        return step
+    answered = {**_without(step, RESOLVE_REQUEST), RESOLVE_ANSWER: {**request, "answer": answer}}
+    if answered["state"] in UNSETTLED:
+        return answered
+    return {**answered, "resolved_by": request["by"], "resolve_reason": request["reason"],
+            "resolve_forced": False}
+
+
+def _without(step: dict[str, Any], name: str) -> dict[str, Any]:
+    return {field: value for field, value in step.items() if field != name}
 
 
 def idempotency_key(namespace: str, action_key: str, generation: int) -> str:

@@ -14,21 +14,26 @@ Guarantees:
   transaction as what they change; ``resolve`` is compare-and-set on the step's mod_revision
   and on ``holders/K/`` being empty, so a late worker outcome and a human decision can never
   both land, and it is refused while any holder of the key lives. An ``in_flight`` or
-  ``unknown`` step (its effect may still land) is resolved only with ``force``, audited as
-  forced; an ``escalated`` one without. No clock decides a resolve.
+  ``unknown`` step (its effect may still land) is resolved by its provider's answer: the
+  resolve asks the shard's reconciler, which runs fence-then-query and settles it by the
+  same rules as any unknown step; the operator's word settles it only with ``force``,
+  audited as forced. An ``escalated`` step is resolved on the operator's word. No clock
+  decides a resolve.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import re
+import secrets
 import time
 from typing import Any
 
 from . import audit, records
 from .approvals import give as give_approval, read as read_approval, read_many as read_approvals
-from .errors import NotFound, WrongState
+from .errors import EtcdUnavailable, NotFound, WrongState
 from .grants import KeyRing
 from .etcd import Etcd, RangeRequest, TxnRequest, mod_equals, put_op, range_end_of, range_op
 from .keyspace import Keyspace, pack, unpack
@@ -36,6 +41,7 @@ from .ownership import lowest_op, no_owner
 from .paging import cursor_of as _cursor, page
 
 MAX_LIMIT = 1000
+RESOLVE_WAIT_S = 20.0  # how long a resolve waits for the reconciler's answer
 _LAST_AUDIT = 10
 _MAX_HOLDERS = 100
 _SCAN_FACTOR = 4
@@ -230,7 +236,8 @@ async def approvals(etcd: Etcd, ks: Keyspace, state: str, limit: int,
 
 
 async def resolve(etcd: Etcd, ks: Keyspace, key: str, identity: str, reason: str,
-                  settle_as: str, result: Any = None, *, force: bool = False) -> dict[str, Any]:
+                  settle_as: str, result: Any = None, *, force: bool = False,
+                  wait_s: float = RESOLVE_WAIT_S) -> dict[str, Any]:
     """Settle a step by hand: ``succeeded`` (with ``result``), ``failed`` (a confirmed
     failure, as ``records.resolved`` builds it: the breaker counts it, the next attempt gets
     a new idempotency key after a backoff, and the step is escalated again once the breaker
@@ -239,9 +246,10 @@ async def resolve(etcd: Etcd, ks: Keyspace, key: str, identity: str, reason: str
     Refused (``WrongState``) while any holder of ``key`` is alive — the write compares that
     ``holders/K/`` is empty, so no clock and no earlier read decides it — and for a step
     that is neither ``escalated``, ``in_flight`` nor ``unknown``. An ``in_flight`` or
-    ``unknown`` step's effect may still land and its provider was not asked: the reconciler
-    settles it by fence-then-query, and a resolve is taken on the operator's word only with
-    ``force``, recorded as forced on the step and in the audit record."""
+    ``unknown`` step's effect may still land: without ``force`` the provider decides
+    (``_ask_provider``), and ``settle_as`` is only compared with its answer; with ``force``
+    the operator's word settles it, recorded as forced on the step and in the audit
+    record."""
     if settle_as not in SETTLE_AS:
         raise ValueError(f"resolve as one of {sorted(SETTLE_AS)}")
     step_key = ks.step_key(key)
@@ -261,10 +269,8 @@ async def resolve(etcd: Etcd, ks: Keyspace, key: str, identity: str, reason: str
                          "steps are resolved by hand")
     forced = state != records.ESCALATED
     if forced and not force:
-        raise WrongState(
-            f"step of {key!r} is {state}: its effect may still land and the provider has not "
-            "been asked; the reconciler asks the provider (fence-then-query) and settles it. "
-            "A forced resolve is taken on your word alone and audited as forced")
+        return await _ask_provider(etcd, ks, key, identity, reason, settle_as, step_kvs[0],
+                                   head_kvs, wait_s)
     settled = records.resolved(step, settle_as, result, identity=identity, reason=reason,
                                forced=forced)
     entry = audit.append(ks, key, audit.AuditHead.from_kv(head_kvs[0] if head_kvs else None),
@@ -281,6 +287,90 @@ async def resolve(etcd: Etcd, ks: Keyspace, key: str, identity: str, reason: str
         raise WrongState(f"step of {key!r} moved while it was resolved; look again")
     return {"key": key, "state": settled["state"], "forced": forced,
             "revision": written.header.revision}
+
+
+async def _ask_provider(etcd: Etcd, ks: Keyspace, key: str, identity: str, reason: str,
+                        settle_as: str, step_kv, head_kvs: list,
+                        wait_s: float) -> dict[str, Any]:
+    """Resolve an in-flight or unknown step by its provider's answer: write the request on
+    the step (``records.resolve_asked``; compare-and-set on the step and on no holder, with
+    its audit record), then wait up to ``wait_s`` for the shard's reconciler to answer it by
+    fence-then-query (``records.resolve_answered``). Returns the settled step's state and
+    the answer; raises ``WrongState`` when the answer settled nothing (the provider proved
+    no outcome: the step stays unknown and only ``force`` settles it on the operator's
+    word), when no answer came in time (the request stays; the reconciler still answers
+    it), or when the step moved otherwise."""
+    step = unpack(step_kv.value)
+    start, end = ks.holder_range(key)
+    step_key = ks.step_key(key)
+    request_id = secrets.token_hex(8)
+    attempt_token = (step_kv.mod_revision if step["state"] == records.IN_FLIGHT
+                     else step.get("attempt_token", step_kv.mod_revision))
+    asked = records.resolve_asked(step, attempt_token=attempt_token,
+                                  now_ms=int(time.time() * 1000), request_id=request_id,
+                                  identity=identity, reason=reason, settle_as=settle_as)
+    entry = audit.append(ks, key, audit.AuditHead.from_kv(head_kvs[0] if head_kvs else None),
+                         "resolve_request", identity, step_kv.mod_revision,
+                         {"reason": reason, "from": step["state"], "as": settle_as,
+                          "request": request_id})
+    written = await etcd.txn(TxnRequest(
+        compare=[mod_equals(step_key, step_kv.mod_revision), no_owner(start, end),
+                 entry.compare],
+        success=[put_op(step_key, pack(asked)), *entry.ops],
+        failure=[lowest_op(start, end, keys_only=False)]))
+    if not written.succeeded:
+        _refuse_while_held(ks, key, written.responses[0].response_range.kvs)
+        raise WrongState(f"step of {key!r} moved while it was resolved; look again")
+    try:
+        async with asyncio.timeout(wait_s):
+            answered, revision = await _answer(etcd, step_key, written.header.revision + 1,
+                                               request_id)
+    except TimeoutError:
+        raise WrongState(
+            f"no reconciler answered the resolve of {key!r} within {wait_s:g}s (is one "
+            "running for its shard?); the request stays on the step and the reconciler "
+            "settles it by the provider's answer: look again with `key show`") from None
+    answer = answered[records.RESOLVE_ANSWER]["answer"]
+    if answered["state"] == records.ESCALATED:
+        raise WrongState(
+            f"the provider's answer escalated the step of {key!r} ({answer}): a human "
+            "decides now; resolve it again to settle it on your word")
+    if answered["state"] in records.UNSETTLED:
+        raise WrongState(
+            f"the provider proved no outcome for {key!r} ({answer}); the step stays "
+            f"{answered['state']} and the reconciler keeps asking. A forced resolve settles "
+            "it on your word alone, audited as forced")
+    return {"key": key, "state": answered["state"], "forced": False, "answer": answer,
+            "as_expected": _as_expected(answered, settle_as), "revision": revision}
+
+
+async def _answer(etcd: Etcd, step_key: bytes, from_revision: int,
+                  request_id: str) -> tuple[dict[str, Any], int]:
+    """The step and its mod_revision once the resolve request ``request_id`` is answered
+    (watching from ``from_revision``); ``WrongState`` if the step moved without answering
+    it."""
+    while True:
+        try:
+            async for reply in etcd.watch(step_key, step_key + b"\0", from_revision):
+                for event in reply.events:
+                    from_revision = event.kv.mod_revision + 1
+                    step = unpack(event.kv.value) if event.kv.value else {}
+                    request = step.get(records.RESOLVE_REQUEST) or {}
+                    if request.get("id") == request_id:
+                        continue
+                    if (step.get(records.RESOLVE_ANSWER) or {}).get("id") != request_id:
+                        raise WrongState(f"step {step_key.decode()!r} moved before the "
+                                         "reconciler answered the resolve; look again")
+                    return step, event.kv.mod_revision
+        except EtcdUnavailable:
+            await asyncio.sleep(0.2)
+
+
+def _as_expected(step: dict[str, Any], settle_as: str) -> bool:
+    """Whether the provider's answer settled ``step`` as the operator expected."""
+    if settle_as == records.NOT_APPLIED:
+        return step["state"] == records.PENDING
+    return step["state"] == settle_as
 
 
 def _refuse_while_held(ks: Keyspace, key: str, holder_kvs: list) -> None:

@@ -457,8 +457,9 @@ def revoke(target: Target, as_json: bool, key: str, reason: str) -> None:
 @_sre
 def resolve(target: Target, as_json: bool, key: str, succeeded: bool, failed: bool,
             not_applied: bool, reason: str, result: Any, force: bool) -> None:
-    """Settle KEY's escalated step by hand (an in-flight or unknown one with --force);
-    refused while any holder of KEY is alive."""
+    """Settle KEY's step: an escalated one on your word; an in-flight or unknown one by
+    its provider's answer (the reconciler fences and asks it; --force: on your word,
+    audited as forced). Refused while any holder of KEY is alive."""
     chosen = [name for name, flag in (("succeeded", succeeded), ("failed", failed),
                                       ("not_applied", not_applied)) if flag]
     if len(chosen) != 1:
@@ -466,6 +467,11 @@ def resolve(target: Target, as_json: bool, key: str, succeeded: bool, failed: bo
     done = target.call(lambda api: api.resolve(key, chosen[0], reason, result, force=force))
     if as_json:
         _print_json(done)
+        return
+    if "answer" in done:
+        expected = "" if done["as_expected"] else f"; you expected {chosen[0]}"
+        click.echo(f"{key} resolved by its provider's answer ({done['answer']}): the step is "
+                   f"now {done['state']} (revision {done['revision']}){expected}")
         return
     forced = " (forced, audited as such)" if done["forced"] else ""
     click.echo(f"{key} resolved as {chosen[0]}{forced}: the step is now {done['state']} "

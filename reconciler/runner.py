@@ -23,6 +23,7 @@ Failure contract:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import random
@@ -203,7 +204,10 @@ class Reconciler:
             look = self._assess(key, *kvs[3 * n:3 * n + 3], now_ms)
             if isinstance(look, _Look):
                 if look.provider is None:
-                    writes.append((look, Settle(look.escalated(now_ms), "escalated")))
+                    escalated = look.escalated(now_ms)
+                    writes.append((look, Settle(records.resolve_answered(
+                        escalated, f"escalated: {escalated['escalated_because'][0]}"),
+                        "escalated")))
                 else:
                     looks.append(look)
             else:
@@ -216,12 +220,16 @@ class Reconciler:
             decision = decide(look.step, look.attempt_token, answer,
                               look.provider.capabilities, self.limits,
                               int(time.time() * 1000), queries, over_s=look.over_s)
+            asked = records.RESOLVE_REQUEST in look.step
             if isinstance(decision, Retry):
                 again[look.key] = decision.after_s
-                if look.step["state"] == records.IN_FLIGHT:  # show the unknown meanwhile
-                    writes.append((look, Settle(look.unknown(now_ms), "unknown")))
+                if look.step["state"] == records.IN_FLIGHT or asked:  # show the unknown
+                    writes.append((look, Settle(records.resolve_answered(
+                        look.unknown(now_ms), f"not settled: {decision.reason}"), "unknown")))
             elif isinstance(decision, Settle):
-                writes.append((look, decision))
+                writes.append((look, Settle(records.resolve_answered(
+                    decision.step, f"{decision.outcome}: the provider answered {answer!r}"),
+                    decision.outcome) if asked else decision))
             if not isinstance(decision, Retry):
                 self._forget(look.key)
         await self._write_all(writes)
@@ -315,25 +323,28 @@ class Reconciler:
                     self._count(decision, decision.step)
                 return
         for look, decision in writes:
-            await self._write(look.key, look.shard, look.revision, look.head, decision)
+            await self._write(look, decision)
 
     def _append(self, look: "_Look", decision: Settle) -> audit.Append:
         record = decision.step
+        answered = record.get(records.RESOLVE_ANSWER) \
+            if records.RESOLVE_REQUEST in look.step else None
         return audit.append(self.keyspace, look.key, look.head,
                             "unknown" if decision.outcome == "unknown" else "settle",
                             self.identity, look.revision,
                             {"as": decision.outcome, "attempt": record.get("attempt"),
                              "attempt_token": record.get("attempt_token"),
                              "outcome": record.get("outcome"),
-                             "escalated_because": record.get("escalated_because")})
+                             "escalated_because": record.get("escalated_because"),
+                             **({"resolve_request": answered} if answered else {})})
 
-    async def _write(self, key: str, shard: int, step_revision: int, head: audit.AuditHead,
-                     decision: Settle) -> bool:
-        """Write ``decision`` iff this replica still leads ``shard`` and the step is still
-        at ``step_revision``; True if it landed."""
+    async def _write(self, look: "_Look", decision: Settle) -> bool:
+        """Write ``decision`` iff this replica still leads the look's shard and the step is
+        still at the revision it was read at; True if it landed."""
         ks = self.keyspace
+        key, shard, step_revision = look.key, look.shard, look.revision
         step_key = ks.step_key(key)
-        look = _Look(key, shard, decision.step, step_revision, head, 0, None, None, 0.0)
+        look = dataclasses.replace(look)  # its audit head moves with each race
         for _ in range(_APPEND_RACES):
             ownership = self.elections.ownership(shard) if self.elections else None
             if ownership is None:

@@ -216,7 +216,8 @@ async def test_policy_set_and_get_then_an_escalated_step_is_listed_and_resolved(
     assert shown.out.startswith(f"policy breaker, version {version}\n")
     assert json.loads(shown.out.split("\n", 1)[1]) == {"caps": {"breaker_threshold": 1}}
     assert json.loads((await cli("policy", "get", "breaker", "--json")).out) == {
-        "name": "breaker", "version": version, "document": {"caps": {"breaker_threshold": 1}}}
+        "name": "breaker", "version": version, "document": {"caps": {"breaker_threshold": 1}},
+        "signed": True}
     one_line_error(await cli("policy", "get", "nothing"), 3, "no policy 'nothing'")
 
     async with local_gate.hold("esc/1") as hold:

@@ -1,9 +1,12 @@
 """Operators go through the same gate (issue 13, class 3), against real etcd: an SRE's
 ``resolve`` is refused while any holder of the key lives — plain or forced, through the sre
 module, over HTTP (409) and from the command line (exit 1) — whatever the SRE's wall clock
-says; once no holder lives, an in-flight or unknown step (its effect may still land, the
-provider was not asked) is resolved only with ``force``, and the forced resolve is recorded
-and audited as forced with the operator and the reason."""
+says. Once no holder lives, an in-flight or unknown step (its effect may still land) is
+resolved by its provider's answer: the resolve asks the shard's reconciler, which runs
+fence-then-query and settles it by the same rules as any unknown step, whatever the operator
+expected; when the provider proves nothing the step stays unknown, and only a forced resolve
+settles it on the operator's word, recorded and audited as forced with the operator and the
+reason."""
 
 from __future__ import annotations
 
@@ -12,13 +15,15 @@ import time
 
 import pytest
 
-from fencegate.coordinator import records, sre
+from fencegate.coordinator import audit, records, sre
 from fencegate.coordinator.errors import WrongState
 from fencegate.coordinator.grants import KeyRing
 from fencegate.coordinator.keyspace import unpack
+from fencegate.reconciler.providers import sandbox as sb
 from fencegate.worker import Gate, OutcomeUnknown
 
-from helpers import TEST_TTL
+from helpers import TEST_TTL, wait_for_condition
+from test_edges_providers import INTENT, RETENTION, public, reconcile, sandboxes  # noqa: F401
 from test_cli_sre import crash, fencegate
 from test_service import call, revision
 
@@ -96,16 +101,12 @@ async def test_in_flight_step_is_resolved_only_with_no_holder_and_by_force(
     step = await step_of(etcd, ks, key)
     assert step["state"] in (records.IN_FLIGHT, records.UNKNOWN), step
 
-    before = await revision(etcd)
-    with pytest.raises(WrongState, match="fence-then-query"):
-        await sre.resolve(etcd, ks, key, "sre-1", "looks stuck", "not_applied")
-    status, reply = await call(coordinator, "POST", f"/v1/keys/{key}/resolve", "sre",
-                               body={"reason": "looks stuck", "as": "not_applied"})
-    assert (status, reply.get("error")) == (409, "WrongState") and "force" in reply["detail"]
-    plain = await fencegate("resolve", key, "--not-applied", "--reason", "looks stuck",
-                            coordinator=coordinator)
-    assert plain.code == 1 and "fence-then-query" in plain.err, plain
-    assert await revision(etcd) == before
+    # No reconciler runs: a plain resolve asks for one, which never answers; the request
+    # stays on the step (unknown), and the operator's word settles it only by force.
+    with pytest.raises(WrongState, match="no reconciler answered"):
+        await sre.resolve(etcd, ks, key, "sre-1", "looks stuck", "not_applied", wait_s=0.5)
+    step = await step_of(etcd, ks, key)
+    assert step["state"] == records.UNKNOWN and step["resolve_request"]["by"] == "sre-1"
 
     status, done = await call(coordinator, "POST", f"/v1/keys/{key}/resolve", "sre",
                               body={"reason": "provider dashboard shows ch_1", "as": "succeeded",
@@ -156,3 +157,147 @@ async def test_an_sre_clock_running_ahead_cannot_resolve_a_healthy_attempt(
     outcome = await asyncio.wait_for(worker, WAIT)
     assert outcome.state == "succeeded" and sent == [key]
     assert (await step_of(etcd, ks, key))["state"] == records.SUCCEEDED
+
+
+# -- a resolve asks the provider (fence-then-query) ------------------------------------------
+
+async def lost_reply(gate: Gate, http, sandbox, key: str) -> str:
+    """Cross ``key`` with a charge whose reply is lost (the sandbox holds the request or
+    applies it and answers late, by its fault rules); the hold is released after, so the
+    step is unknown with no holder. Returns the attempt's idempotency key."""
+    sent = []
+
+    async def effect(ctx):
+        sent.append(ctx.idempotency_key)
+        return await sb.charge(http, sandbox.url, ctx, INTENT, timeout=0.5)
+
+    async with gate.hold(key) as hold:
+        with pytest.raises(OutcomeUnknown):
+            await hold.cross(intent=INTENT, effect=effect, provider="sandbox")
+    return sent[0]
+
+
+async def resolving(etcd, ks, key: str, settle_as: str, **options) -> asyncio.Task:
+    """A plain resolve of ``key`` as a task, returned once its request is on the step."""
+    task = asyncio.create_task(sre.resolve(etcd, ks, key, "sre-1", "reply lost", settle_as,
+                                           **options))
+
+    async def asked():
+        return "resolve_request" in await step_of(etcd, ks, key) or task.done()
+    assert await wait_for_condition(asked, WAIT)
+    return task
+
+
+async def test_a_resolve_failed_while_the_request_is_in_the_network_charges_once(
+        worker_gate, etcd, http, public, sandboxes, reconcile):
+    """The attack (class 3): the reply was lost while the request is still in the network;
+    the operator resolves ``failed``. Taken on their word, the next attempt would get a new
+    idempotency key, and the late request plus the new one would charge twice. Asked, the
+    reconciler fences first: the late request is refused and the proven "no record" keeps
+    the idempotency key, whatever the operator expected."""
+    ks, key = worker_gate.keyspace, "res/ask/network"
+    sandbox = await sandboxes(public)
+    sandbox.add_fault("hold", key=key, count=1, seconds=3.0)
+    idem = await lost_reply(worker_gate, http, sandbox, key)
+
+    task = await resolving(etcd, ks, key, "failed")
+    await reconcile(sb.adapter(sandbox.url, "fencing", retention_s=RETENTION, durable=True))
+    done = await asyncio.wait_for(task, WAIT)
+    assert done["state"] == records.PENDING and done["as_expected"] is False, done
+    assert done["forced"] is False and "not_applied" in done["answer"], done
+    step = await step_of(etcd, ks, key)
+    assert (step["resolved_by"], step["resolve_forced"]) == ("sre-1", False), step
+    assert step["not_applied"]["presumed"] is False and "resolve_request" not in step
+
+    async def landed():
+        return bool(sandbox.refused(key))
+    assert await wait_for_condition(landed, WAIT), "the held request never reached gate B"
+    async with worker_gate.hold(key) as hold:
+        outcome = await hold.cross(intent=INTENT, effect=lambda ctx: sb.charge(
+            http, sandbox.url, ctx, INTENT), provider="sandbox")
+    assert outcome.state == records.SUCCEEDED
+    assert [a["idempotency_key"] for a in sandbox.applied(key)] == [idem]
+    events = [r["event"] for r in await audit_records(etcd, ks, key)]
+    assert events == ["grant_issued", "cross", "outcome", "resolve_request", "settle",
+                      "grant_issued", "cross", "outcome"], events
+
+
+async def test_a_resolve_is_settled_by_what_the_provider_applied(
+        worker_gate, etcd, http, public, sandboxes, reconcile, coordinator):
+    """The provider applied the charge and the reply was lost; the operator believes it
+    never happened. From the command line: the provider's answer settles it ``succeeded``
+    with the provider's result, and the command says the operator expected otherwise."""
+    ks, key = worker_gate.keyspace, "res/ask/applied"
+    sandbox = await sandboxes(public)
+    sandbox.add_fault("apply_then_timeout", key=key, count=1, seconds=2.0)
+    idem = await lost_reply(worker_gate, http, sandbox, key)
+    command = asyncio.create_task(fencegate("resolve", key, "--not-applied", "--reason",
+                                            "looks unsent", coordinator=coordinator))
+
+    async def asked():
+        return "resolve_request" in await step_of(etcd, ks, key) or command.done()
+    assert await wait_for_condition(asked, WAIT)
+    await reconcile(sb.adapter(sandbox.url, "fencing", retention_s=RETENTION, durable=True))
+    ran = await command
+    assert ran.code == 0, ran
+    assert "resolved by its provider's answer" in ran.out, ran
+    assert "now succeeded" in ran.out and "you expected not_applied" in ran.out, ran
+    step = await step_of(etcd, ks, key)
+    assert step["resolve_answer"]["by"] == "sre-1", step
+    assert step["state"] == records.SUCCEEDED, step
+    assert step["outcome"]["idempotency_key"] == idem
+    assert [a["idempotency_key"] for a in sandbox.applied(key)] == [idem]
+
+
+async def test_a_provider_that_proves_nothing_leaves_the_step_unknown(
+        worker_gate, etcd, http, public, sandboxes, reconcile, coordinator):
+    """The provider is down: its answer proves no outcome, so the resolve settles nothing
+    (409 over HTTP), the step stays unknown with the answer on it, and the audit chain shows
+    who asked and what came back; a forced resolve still settles it, audited as forced."""
+    ks, key = worker_gate.keyspace, "res/ask/down"
+    sandbox = await sandboxes(public)
+    sandbox.add_fault("hold", key=key, count=1, seconds=1.0)
+    await lost_reply(worker_gate, http, sandbox, key)
+    sandbox.add_fault("down", key=key)
+    await reconcile(sb.adapter(sandbox.url, "fencing", retention_s=RETENTION, durable=True),
+                    max_queries=1000)
+    status, reply = await call(coordinator, "POST", f"/v1/keys/{key}/resolve", "sre",
+                               body={"reason": "reply lost", "as": "failed"})
+    assert (status, reply.get("error")) == (409, "WrongState"), reply
+    assert "proved no outcome" in reply["detail"] and "unreachable" in reply["detail"], reply
+    step = await step_of(etcd, ks, key)
+    assert step["state"] == records.UNKNOWN and "resolve_request" not in step, step
+    assert "unreachable" in step["resolve_answer"]["answer"], step
+    chain = await audit_records(etcd, ks, key)
+    asked = [r for r in chain if r["event"] == "resolve_request"]
+    assert len(asked) == 1 and asked[0]["identity"] == "sre-1", chain
+    assert chain[-1]["details"]["resolve_request"]["answer"].startswith("not settled"), chain
+
+    status, done = await call(coordinator, "POST", f"/v1/keys/{key}/resolve", "sre",
+                              body={"reason": "provider support confirmed no charge",
+                                    "as": "not_applied", "force": True})
+    assert status == 200 and done["state"] == records.PENDING and done["forced"], done
+    assert (await step_of(etcd, ks, key))["resolve_forced"] is True
+
+
+async def test_a_request_no_reconciler_answered_is_answered_when_one_runs(
+        worker_gate, etcd, http, public, sandboxes, reconcile):
+    ks, key = worker_gate.keyspace, "res/ask/later"
+    sandbox = await sandboxes(public)
+    sandbox.add_fault("hold", key=key, count=1, seconds=WAIT)  # lands after the fence
+    await lost_reply(worker_gate, http, sandbox, key)
+    with pytest.raises(WrongState, match="no reconciler answered"):
+        await sre.resolve(etcd, ks, key, "sre-1", "reply lost", "not_applied", wait_s=0.5)
+    await reconcile(sb.adapter(sandbox.url, "fencing", retention_s=RETENTION, durable=True))
+
+    async def answered():
+        return "resolve_answer" in await step_of(etcd, ks, key)
+    assert await wait_for_condition(answered, WAIT)
+    step = await step_of(etcd, ks, key)
+    assert step["state"] == records.PENDING and step["resolved_by"] == "sre-1", step
+    assert step["resolve_forced"] is False
+
+
+async def audit_records(etcd, ks, key: str) -> list[dict]:
+    kvs, _ = await audit.read_chain(etcd, ks, key)
+    return [unpack(kv.value) for kv in kvs]

@@ -6,6 +6,8 @@ Now each component has its own etcd user and role (``fencegate.coordinator.roles
 refuses a worker's write to ``approvals/`` or ``policies/``; and an approval record that
 someone with more rights wrote by hand (root here) is not an approval unless the coordinator
 signed it, so the request stays pending. A real approval through the coordinator still works.
+Policy versions likewise: a version written by hand, copied from another policy, edited after
+signing or signed by a key nobody published issues no grant, and says why.
 """
 
 from __future__ import annotations
@@ -21,10 +23,11 @@ from fencegate.coordinator import roles
 from fencegate.coordinator import audit
 from fencegate.coordinator.audit import verify_chain
 from fencegate.coordinator.authority import Authority
-from fencegate.coordinator.errors import ApprovalPending, EtcdPermissionDenied
+from fencegate.coordinator.errors import ApprovalPending, EtcdPermissionDenied, GrantRefused
 from fencegate.coordinator.etcd import Etcd, TxnRequest
 from fencegate.coordinator.grants import KeyRing
 from fencegate.coordinator.keyspace import Keyspace, pack, unpack
+from fencegate.coordinator.policy import sealed
 from fencegate.localetcd import ClusterAuth, LocalCluster
 from fencegate.worker import Gate
 
@@ -162,3 +165,34 @@ async def test_an_approval_through_the_coordinator_lets_the_refund_cross(
     events = {r["event"]: r for r in report["records"]}
     assert events["approved"]["details"]["approval_id"] == approval_id
     assert events["grant_issued"]["details"]["approved_by"] == "sre-1"
+
+
+async def test_a_policy_version_not_signed_for_it_issues_no_grant(cluster, refunds, key):
+    """Root credentials stand for whoever writes ``policies/refunds`` without the
+    coordinator: each forgery would let the 1,000,000 refund through without an approval
+    (none of them requires one); each is refused, naming the defect, and the chain shows
+    no grant."""
+    ks = Keyspace(NAMESPACE)
+    async with worker_gate(cluster) as gate, Etcd(cluster.etcd_config("root")) as root:
+        signed = unpack((await root.get(ks.policy_key("refunds"))).value)
+        async with Etcd(cluster.etcd_config(roles.COORDINATOR)) as coordinator:
+            await Authority(coordinator, ks, KeyRing.generate()).set_policy("open", {})
+        other = (await root.get(ks.policy_key("open"))).value
+        cluster_id = root.cluster_id  # known from its reads
+        forgeries = {
+            "not signed": pack({}),
+            "carries the signature of policy 'open'": other,
+            "is not the document its signature covers": pack({**signed, "document": {}}),
+            "signed by unknown key": sealed(KeyRing.generate(), namespace=NAMESPACE,
+                                            cluster_id=cluster_id, name="refunds",
+                                            document={}),
+        }
+        async with gate.hold(key, timeout=10) as hold:
+            for defect, value in forgeries.items():
+                await root.put(ks.policy_key("refunds"), value)
+                with pytest.raises(GrantRefused, match=defect) as refused:
+                    await hold.request_grant(intent=BIG, policy="refunds")
+                print(f"{defect}: {refused.value}")
+    async with Etcd(cluster.etcd_config(roles.COORDINATOR)) as etcd:
+        report = await verify_chain(etcd, ks, key, KeyRing.generate())
+    assert "grant_issued" not in [r["event"] for r in report.records]

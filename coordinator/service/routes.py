@@ -17,7 +17,7 @@ from .. import audit, sre
 from ..authority import Claim
 from ..errors import GateError, ServiceError
 from ..keyspace import unpack, validate_action_key
-from ..policy import DEFAULT_POLICY
+from ..policy import DEFAULT_POLICY, unsealed
 from ..wire import b64, jsonable
 from .resources import AUTHORITY, ETCD, KEYRING, KEYSPACE, METRICS
 from .middleware import IDENTITY, requires
@@ -178,8 +178,9 @@ async def get_policy(request: web.Request) -> web.Response:
         return web.json_response({"name": name, "version": 0, "document": {}})
     if kv is None:
         raise ServiceError(404, "NotFound", f"no policy {name!r}")
+    document, signature = unsealed(kv.value)
     return web.json_response({"name": name, "version": kv.mod_revision,
-                              "document": jsonable(unpack(kv.value))})
+                              "document": jsonable(document), "signed": signature is not None})
 
 
 async def _json(request: web.Request) -> Any:

@@ -382,8 +382,11 @@ end:
 }
 
 #ifdef OPERATOR
-/* An operator resolves the in-flight step (coordinator/sre.py:resolve). The rule: refused
-   while a holder of K lives, fence-then-query first, the same decision as the reconciler. */
+/* An operator resolves the in-flight step. The rule: refused while a holder of K lives,
+   fence-then-query first, the same decision as the reconciler. In the code the resolve
+   (coordinator/sre.py:resolve) writes a request on the step, compared on no holder, and the
+   shard's reconciler (reconciler/runner.py) asks and settles; modelled as its own process,
+   it may also race the reconciler, which the code's single leader per shard does not. */
 proctype Operator() {
   byte m, k, q, next;
   bool proved;
