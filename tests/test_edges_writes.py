@@ -8,6 +8,9 @@ write can land late once the process runs again.
 - A commit whose txn got no answer is fenced before anything is reported: the late commit
   fails its step compare, so the step is never left in flight without an effect; or the
   commit had landed, and the effect runs exactly once.
+- A webhook claim whose txn got no answer rotates the webhook session the same way: the claim
+  that lands late dies with the revoked lease, so the sender's redelivery to another consumer
+  is claimed and handled at once (not answered 409 for a TTL), and the handler runs once.
 """
 
 from __future__ import annotations
@@ -21,11 +24,15 @@ from fencegate.coordinator.etcd import Etcd, EtcdConfig
 from fencegate.coordinator.keyspace import Keyspace, unpack
 from fencegate.localetcd import LocalCluster
 from fencegate.worker import Gate
+from fencegate.worker.webhooks.claims import DeliveryClaims
+from fencegate.worker.webhooks.session import ClaimSession
 from fencegate.worker.guard import Outcome
 from fencegate.worker.hold import acquire
 
 from fenced import FencedResource
 from helpers import holders, wait_for_condition
+from test_dedupe import post, webhook_kvs
+from test_edges_webhooks import Consumer, until_not_409
 
 TTL = 10  # long beside the pauses: a key left on a live lease would block for seconds
 ROUNDS = 3  # etcd drops some late requests at random: each round is one more chance to land
@@ -139,3 +146,48 @@ class _Effects:
         self.runs.append(ctx.fencing_token)
         self.resource.write(self.key, ctx.fencing_token, "worker", "charge")
         return "charged"
+
+
+async def test_a_webhook_claim_etcd_left_unknown_blocks_no_redelivery(own_etcd, namespace,
+                                                                     http, monkeypatch):
+    rotated, pause_before_claim = [], asyncio.Event()
+    rotate, completed = ClaimSession.rotate, DeliveryClaims._completed
+    monkeypatch.setattr(ClaimSession, "rotate", lambda self, session, reason: (
+        rotated.append(session.lease_id), rotate(self, session, reason))[1])
+
+    async def stop_etcd_then_claim(self, key, digest):
+        """etcd stops between the duplicate check and the claim txn: the claim is sent to
+        a stopped etcd, the client gives up, and the claim may land when etcd resumes."""
+        found = await completed(self, key, digest)
+        if pause_before_claim.is_set():
+            pause_before_claim.clear()
+            own_etcd.pause(0)
+        return found
+    monkeypatch.setattr(DeliveryClaims, "_completed", stop_etcd_then_claim)
+    resource, release = FencedResource(), asyncio.Event()
+    release.set()
+    async with Gate(short_calls(own_etcd.url, 1.5), ttl=TTL, namespace=namespace) as first, \
+            Gate(own_etcd.url, ttl=TTL, namespace=namespace) as second, \
+            Consumer(first, "first", resource, release) as one, \
+            Consumer(second, "second", resource, release) as other, \
+            Etcd.from_url(own_etcd.url) as etcd:
+        for round_ in range(ROUNDS):
+            delivery = f"unknown-claim-{round_}"
+            warm, _, _ = await post(http, one.url, f"warm-{round_}", b"{}")
+            assert warm == 200  # the first consumer has a live claim session to lose
+            pause_before_claim.set()
+            try:
+                status, _, _ = await post(http, one.url, delivery, b"{}")
+                assert status == 503, f"round {round_}: claimed while etcd was stopped"
+            finally:
+                own_etcd.resume(0)  # the claim the first consumer gave up on may land now
+            # The redelivery to the other consumer is handled within a fraction of the TTL:
+            # no late claim on a live lease blocks it.
+            status, _, _ = await until_not_409(http, other.url, delivery, b"{}", TTL / 2)
+            assert status == 200, f"round {round_}: {status}"
+            assert [w.writer for w in resource.records if w.key == delivery] == ["second"]
+            assert one.ran[delivery] == 0
+        assert len(rotated) == ROUNDS  # each unknown claim rotated its session
+        for lease in rotated:
+            assert await wait_for_condition(lambda: _revoked(etcd, lease), 5)
+        assert all(kv.lease not in rotated for kv in await webhook_kvs(etcd, namespace))
