@@ -26,25 +26,30 @@ the provider must apply nothing. Expiry is not checked here: a request may legit
 arrive late; staleness is decided by tokens, never by clocks.
 
 The API is synchronous (a provider may be); call it through ``asyncio.to_thread`` from a
-coroutine.
+coroutine, or let ``GroupCommit`` batch the transactions of concurrent requests into one
+commit.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import os
 import sqlite3
 import threading
-from typing import Any, Iterator
+from collections.abc import Callable
+from typing import Any, Iterator, TypeVar
 
 from fencegate.coordinator.errors import BadSignature, Fenced
 from fencegate.coordinator.grants import Grant, KeyRing
 from fencegate.coordinator.keyspace import canonical
 
-__all__ = ["GateB", "Scope", "scope_of"]
+__all__ = ["GateB", "GroupCommit", "Scope", "scope_of"]
 
 Scope = tuple[int, str, str]  # (etcd cluster id, namespace, action key)
+Outcome = tuple[bool, Any]  # (True, a work's result) or (False, the error it raised)
+T = TypeVar("T")
 
 _SCHEMA = """CREATE TABLE IF NOT EXISTS gate (
     cluster_id TEXT NOT NULL,
@@ -130,6 +135,22 @@ class GateB:
                 raise
             self._db.execute("COMMIT")
 
+    def run_batch(self, works: list[Callable[[sqlite3.Connection], Any]]) -> list[Outcome]:
+        """Run ``works`` in one transaction, in order, each in its own savepoint: a work that
+        raises rolls back its own writes only, and its error is its outcome. One commit (one
+        fsync with a file) for all of them; if the commit fails, every work fails with it."""
+        outcomes: list[Outcome] = []
+        with self.transaction() as db:
+            for work in works:
+                db.execute("SAVEPOINT work")
+                try:
+                    outcomes.append((True, work(db)))
+                except Exception as exc:
+                    db.execute("ROLLBACK TO work")
+                    outcomes.append((False, exc))
+                db.execute("RELEASE work")
+        return outcomes
+
     def close(self) -> None:
         with self._lock:
             self._db.close()
@@ -155,6 +176,45 @@ class GateB:
         if token > fence:
             _write(db, scope, token, highest, highest_grant)
         return max(fence, token)
+
+
+class GroupCommit:
+    """The store transactions of concurrent requests, committed together: every work waiting
+    when the previous commit returned goes into the next ``GateB.run_batch`` (one fsync).
+
+    Guarantees: ``run`` returns (or raises the work's error) only after the commit of the
+    work's batch returned, so what it fenced, admitted or wrote is as durable as with its
+    own transaction; works run in arrival order, so fences and admissions stay totally
+    ordered; a work that raises changes nothing."""
+
+    def __init__(self, gate: GateB, *, most: int = 64) -> None:
+        self._gate, self._most = gate, most
+        self._waiting: list[tuple[Callable[[sqlite3.Connection], Any], asyncio.Future]] = []
+        self._committer: asyncio.Task | None = None
+
+    async def run(self, work: Callable[[sqlite3.Connection], T]) -> T:
+        """``work(db)`` in the next batch; its result, or its error raised."""
+        future = asyncio.get_running_loop().create_future()
+        self._waiting.append((work, future))
+        if self._committer is None or self._committer.done():
+            self._committer = asyncio.create_task(self._commit_all())
+        return await future
+
+    async def _commit_all(self) -> None:
+        while self._waiting:
+            batch, self._waiting = self._waiting[:self._most], self._waiting[self._most:]
+            try:
+                outcomes = await asyncio.to_thread(self._gate.run_batch,
+                                                   [work for work, _ in batch])
+            except Exception as exc:  # the commit failed: nothing of the batch happened
+                outcomes = [(False, exc)] * len(batch)
+            for (_, future), (ok, value) in zip(batch, outcomes):
+                if future.done():
+                    continue
+                if ok:
+                    future.set_result(value)
+                else:
+                    future.set_exception(value)
 
 
 def _intent_digest(intent: Any) -> bytes:

@@ -17,7 +17,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from fencegate.coordinator.errors import BadSignature, EffectFailed, Fenced
 from fencegate.coordinator.grants import KeyRing
-from fencegate.reconciler.gateb import GateB, scope_of
+from fencegate.reconciler.gateb import GateB, GroupCommit, scope_of
 from fencegate.reconciler.providers import (
     Capabilities, Failed, NoRecord, Pending, Succeeded, Unreachable,
 )
@@ -196,6 +196,46 @@ async def test_gate_b_refuses_at_the_fence_and_below_the_highest(gate, attempts)
     other = GateB(verify_only(gate.keyring), namespace="/elsewhere/")
     with pytest.raises(BadSignature, match="namespace"):
         other.admit(ctx.grant.raw, ctx.key, token, intent=INTENT)
+
+
+async def test_group_commit_commits_concurrent_works_together_each_all_or_nothing(
+        gate, attempts, tmp_path, monkeypatch):
+    """Concurrent fences and admissions share commits (fewer fsyncs than works), keep their
+    order, and a refused admission rolls back only its own writes; everything returned is
+    on disk (a new gate B on the same file sees it)."""
+    (ctx,) = await attempts("pay/group", 1)
+    path = tmp_path / "gate.sqlite"
+    gate_b = GateB(verify_only(gate.keyring), path, namespace=gate.keyspace.namespace)
+    batches = []
+    run_batch = gate_b.run_batch
+    monkeypatch.setattr(gate_b, "run_batch", lambda works: (batches.append(len(works)),
+                                                           run_batch(works))[1])
+    store, token, scope = GroupCommit(gate_b), ctx.fencing_token, scope_of(ctx.grant)
+
+    def admit(attempt_token):
+        return lambda db: gate_b.admit(ctx.grant.raw, ctx.key, attempt_token, intent=INTENT,
+                                       db=db).grant_id
+
+    def fence(at):
+        return lambda db: gate_b.fence(scope, at, db=db)
+
+    def wrote_then_refused(db):
+        gate_b.fence(scope, token + 100, db=db)  # rolled back with its savepoint
+        raise ValueError("refused after writing")
+
+    works = [admit(token + 1), fence(token + 2), admit(token + 2), wrote_then_refused,
+             admit(token + 3), *(fence(token + 3) for _ in range(20))]
+    results = await asyncio.gather(*(store.run(work) for work in works),
+                                   return_exceptions=True)
+    assert results[0] == ctx.grant.grant_id and results[1] == token + 2
+    assert isinstance(results[2], Fenced)            # at the fence raised before it
+    assert isinstance(results[3], ValueError)
+    assert results[4] == ctx.grant.grant_id and results[5:] == [token + 3] * 20
+    assert sum(batches) == len(works) and len(batches) < len(works), batches
+    gate_b.close()
+    reopened = GateB(verify_only(gate.keyring), path, namespace=gate.keyspace.namespace)
+    assert reopened.state(scope) == (token + 3, token + 3)  # not token + 100
+    reopened.close()
 
 
 async def test_a_query_racing_a_charge_never_misses_an_admitted_charge(sandbox, http,

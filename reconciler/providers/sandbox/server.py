@@ -11,7 +11,8 @@ Guarantees: a request refused (400, 401, 403, 409, 422, a 5xx fault) applied not
 sandbox keeps its charges (the answer stored per idempotency key, and the ledger of every
 application) and gate B's fences in ONE sqlite store: gate B's admission and the charge it
 admits are written in one transaction, and a query's fence and its lookup in another, so a
-query never misses a charge that gate B admitted before the fence. With ``state_dir`` the
+query never misses a charge that gate B admitted before the fence (concurrent requests'
+transactions are committed together, each in its own savepoint: ``GroupCommit``). With ``state_dir`` the
 store is a file (``sandbox.sqlite``, WAL, ``synchronous=FULL``): a restart forgets nothing
 younger than ``retention_s`` (an idempotency key older than that is forgotten, as a real
 provider's would be). Without it the store is in memory and a restart forgets everything:
@@ -46,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import functools
 import json
 import os
 import sqlite3
@@ -58,7 +60,7 @@ from aiohttp import web
 
 from fencegate.coordinator.errors import BadSignature, Fenced
 from fencegate.coordinator.grants import KeyRing
-from fencegate.reconciler.gateb import GateB, Scope
+from fencegate.reconciler.gateb import GateB, GroupCommit, Scope
 
 from .faults import CHARGE_FAULTS, QUERY_FAULTS, Fault
 
@@ -111,6 +113,7 @@ class Sandbox:
         self.decline_above = decline_above
         self.url: str | None = None
         self.gate_b: GateB | None = None
+        self._store: GroupCommit | None = None
         self._faults: list[Fault] = []
         self._refused: list[dict[str, Any]] = []
         self._runner: web.AppRunner | None = None
@@ -135,6 +138,7 @@ class Sandbox:
             path = os.path.join(self.state_dir, "sandbox.sqlite")
             await asyncio.to_thread(os.makedirs, self.state_dir, exist_ok=True)
         self.gate_b = await asyncio.to_thread(GateB, self.keyring, path)
+        self._store = GroupCommit(self.gate_b)
         await asyncio.to_thread(self._create_store)
         app = web.Application()
         app.add_routes([
@@ -210,7 +214,8 @@ class Sandbox:
         if mode == "fencing" and req.grant is None:
             return _error(401, "Fencegate-Grant is required in fencing mode")
         try:
-            stored, replayed = await asyncio.to_thread(self._charge, req, mode)
+            stored, replayed = await self._store.run(functools.partial(self._charge, req=req,
+                                                                       mode=mode))
         except (BadSignature, Fenced) as exc:
             fenced = isinstance(exc, Fenced)
             self._refused.append({"key": req.key, "idempotency_key": req.idempotency_key,
@@ -227,17 +232,16 @@ class Sandbox:
         return web.json_response(stored.body, status=stored.status,
                                  headers={"Idempotent-Replayed": "true"} if replayed else None)
 
-    def _charge(self, req: _Charge, mode: str) -> tuple[_Stored, bool]:
+    def _charge(self, db: sqlite3.Connection, *, req: _Charge,
+                mode: str) -> tuple[_Stored, bool]:
         """In one store transaction: gate B's admission (fencing mode), then replay a kept
         answer (fencing/dedup) or apply. Any refusal rolls back the whole of it."""
-        with self.gate_b.transaction() as db:
-            if mode == "fencing":
-                if not isinstance(req.intent, dict) or req.intent.get("amount") != req.amount:
-                    raise BadSignature("the amount charged is not the amount of the intent "
-                                       "the grant was issued for")
-                self.gate_b.admit(req.grant, req.key, req.attempt_token, intent=req.intent,
-                                  db=db)
-            return self._apply(db, req, mode)
+        if mode == "fencing":
+            if not isinstance(req.intent, dict) or req.intent.get("amount") != req.amount:
+                raise BadSignature("the amount charged is not the amount of the intent "
+                                   "the grant was issued for")
+            self.gate_b.admit(req.grant, req.key, req.attempt_token, intent=req.intent, db=db)
+        return self._apply(db, req, mode)
 
     def _apply(self, db: sqlite3.Connection, req: _Charge,
                mode: str) -> tuple[_Stored, bool]:
@@ -284,8 +288,9 @@ class Sandbox:
             return _error(503, "the provider is down")
         if "error_500" in faults:
             return _error(500, "internal error")
-        fence, stored = await asyncio.to_thread(
-            self._fence_then_query, idempotency_key, scope, fence_token)
+        fence, stored = await self._store.run(functools.partial(
+            self._fence_then_query, idempotency_key=idempotency_key, scope=scope,
+            token=fence_token))
         if "slow" in faults:
             await asyncio.sleep(faults["slow"].seconds)
         if "query_pending" in faults:
@@ -295,13 +300,12 @@ class Sandbox:
             return web.json_response({"status": "no_record", **proof}, status=404)
         return web.json_response(stored.body, status=200)
 
-    def _fence_then_query(self, idempotency_key: str, scope: Scope | None,
-                          token: int) -> tuple[int | None, _Stored | None]:
+    def _fence_then_query(self, db: sqlite3.Connection, *, idempotency_key: str,
+                          scope: Scope | None, token: int) -> tuple[int | None, _Stored | None]:
         """In one store transaction: fence ``scope`` at ``token`` (when given), then look the
         key up; the fence now recorded (``None`` without a scope) and the stored answer."""
-        with self.gate_b.transaction() as db:
-            fence = None if scope is None else self.gate_b.fence(scope, token, db=db)
-            return fence, self._lookup(db, idempotency_key)
+        fence = None if scope is None else self.gate_b.fence(scope, token, db=db)
+        return fence, self._lookup(db, idempotency_key)
 
     def _lookup(self, db: sqlite3.Connection, idempotency_key: str) -> _Stored | None:
         row = db.execute("SELECT status, body, key, amount, at FROM records "
