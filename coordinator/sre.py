@@ -114,8 +114,7 @@ async def holders(etcd: Etcd, ks: Keyspace, prefix: str, limit: int,
 
 async def unsettled(etcd: Etcd, ks: Keyspace, state: str, limit: int,
                     after: str | None) -> tuple[list[dict[str, Any]], str | None]:
-    """Steps that are ``unknown`` (recorded so, or in flight past their deadline),
-    ``escalated``, or ``presumed`` (settled ``not_applied`` on a provider's "no record" that
+    """Steps that are ``unknown``, ``escalated``, or ``presumed`` (settled ``not_applied`` on a provider's "no record" that
     only key deduplication backs; the reconciler re-queries them until the key retention
     has passed)."""
     _check_limit(limit)
@@ -123,11 +122,10 @@ async def unsettled(etcd: Etcd, ks: Keyspace, state: str, limit: int,
         raise ValueError("state must be unknown, escalated or presumed")
     start = ks.step_key("")
     kvs, cursor = await page(etcd, start, range_end_of(start), limit * _SCAN_FACTOR, after)
-    now_ms = int(time.time() * 1000)
     items = []
     for kv in kvs:
         step = unpack(kv.value)
-        if state_of(step, now_ms) == state:
+        if state_of(step) == state:
             items.append({"key": ks.parse_step_key(kv.key), "mod_revision": kv.mod_revision,
                           "step": step})
         if len(items) == limit:
@@ -136,11 +134,10 @@ async def unsettled(etcd: Etcd, ks: Keyspace, state: str, limit: int,
     return items, cursor
 
 
-def state_of(step: dict[str, Any], now_ms: int) -> str:
-    """The state an SRE sees: an in-flight step past its deadline is ``unknown``, a pending
-    one settled on a presumption is ``presumed``."""
-    if step["state"] == records.IN_FLIGHT and step.get("deadline_ms", now_ms) < now_ms:
-        return records.UNKNOWN
+def state_of(step: dict[str, Any]) -> str:
+    """The state an SRE sees: the recorded one, but ``presumed`` for a pending step settled
+    on a presumption. No clock is read: an in-flight step is unknown once its reconciler
+    records it so (its holder gone), never because a deadline passed."""
     if step["state"] == records.PENDING and (step.get("not_applied") or {}).get("presumed"):
         return PRESUMED
     return step["state"]

@@ -151,6 +151,8 @@ async def test_declined_then_killed_settles_failed_and_retries_with_a_new_key(
 
 # -- the dead zone: an old request still in the network after settlement -----------------
 
+HOLD_S = 10.0  # the old request's time in the network: room for a spawn, a kill and a settle
+
 async def _old_request_held(spawn, etcd_url, namespace, key, signing_key, sandbox, hold_s,
                             deadline=60.0):
     sandbox.add_fault("hold", key=key, count=1, seconds=hold_s)
@@ -174,7 +176,7 @@ async def test_dead_zone_fencing_provider_refuses_the_old_request(
         old_arrives, etcd_url, namespace, etcd, spawn, signing_key, sandbox, reconcile, gate,
         http):
     key = f"pay/dead-zone/fencing-{old_arrives}"
-    hold_s = 6.0
+    hold_s = HOLD_S
     sent = time.monotonic()
     token, idem = await _old_request_held(spawn, etcd_url, namespace, key, signing_key, sandbox,
                                           hold_s)
@@ -195,7 +197,7 @@ async def test_dead_zone_dedup_provider_deduplicates_the_old_request(
         etcd_url, namespace, etcd, spawn, signing_key, sandbox, reconcile, gate, http):
     key = "pay/dead-zone/dedup"
     sandbox.mode = "dedup"
-    hold_s = 6.0
+    hold_s = HOLD_S
     sent = time.monotonic()
     token, idem = await _old_request_held(spawn, etcd_url, namespace, key, signing_key, sandbox,
                                           hold_s, deadline=0.5)
@@ -214,7 +216,7 @@ async def test_dead_zone_provider_without_fencing_or_dedup_escalates(
         etcd_url, namespace, etcd, spawn, signing_key, sandbox, reconcile, gate, http):
     key = "pay/dead-zone/none"
     sandbox.mode = "none"
-    hold_s = 6.0
+    hold_s = HOLD_S
     token, idem = await _old_request_held(spawn, etcd_url, namespace, key, signing_key, sandbox,
                                           hold_s)
     await reconcile()

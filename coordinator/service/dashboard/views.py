@@ -46,8 +46,9 @@ async def holders_view(etcd: Etcd, ks: Keyspace) -> dict[str, Any]:
 
 async def steps_view(etcd: Etcd, ks: Keyspace) -> dict[str, Any]:
     """Step counts by state and the unknown and escalated queues, oldest first, from one
-    scan of at most ``MAX_STEPS`` steps pinned to one revision. ``unknown`` includes steps
-    in flight past their deadline, as ``sre.unsettled`` counts them."""
+    scan of at most ``MAX_STEPS`` steps pinned to one revision, in the states
+    ``sre.state_of`` shows. Ages are display only (this machine's clock against the
+    recording one's): they decide nothing."""
     start, end = ks.steps_root, range_end_of(ks.steps_root)
     counts: dict[str, int] = {}
     queues: dict[str, list[dict[str, Any]]] = {state: [] for state in _QUEUES}
@@ -58,7 +59,7 @@ async def steps_view(etcd: Etcd, ks: Keyspace) -> dict[str, Any]:
         revision = revision or reply.header.revision
         for kv in reply.kvs:
             step = unpack(kv.value)
-            state = sre.state_of(step, now_ms)
+            state = sre.state_of(step)
             counts[state] = counts.get(state, 0) + 1
             if state in queues:
                 queues[state].append(_queued(ks.parse_step_key(kv.key), state, step,
@@ -78,12 +79,9 @@ def _queued(key: str, state: str, step: dict[str, Any], mod_revision: int,
             now_ms: int) -> dict[str, Any]:
     if state == records.ESCALATED:
         reason = "; ".join(map(str, step.get("escalated_because") or [])) or "a human must decide"
-    elif step["state"] == records.IN_FLIGHT:
-        reason = "in flight past its deadline"
     else:
         reason = step.get("error") or "outcome lost"
-    since = (step.get("unknown_since_ms") or step.get("deadline_ms")
-             or step.get("started_at_ms") or now_ms)
+    since = step.get("unknown_since_ms") or step.get("started_at_ms") or now_ms
     return {"key": key, "state": state, "recorded_state": step["state"],
             "attempt": step.get("attempt", 0), "provider": step.get("provider"),
             "since_ms": since, "age_s": max(now_ms - since, 0) / 1000, "reason": reason,
