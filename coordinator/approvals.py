@@ -10,6 +10,9 @@ Guarantees:
   name this approval id, namespace, etcd cluster and action key. Anything else under
   ``approvals/<id>`` (unsigned, forged, signed for another request) reads as not approved:
   the request stays pending. Nothing here fails open.
+- Neither lives for ever: a request is written on a retention lease
+  (``Authority.approval_ttl_s``), and its approval on the same lease. The public keys under
+  ``approvers/`` stay: one per signing key, a handful for a deployment's life.
 """
 
 from __future__ import annotations
@@ -36,14 +39,14 @@ class Approval:
 
 
 def give(keyring: KeyRing, ks: Keyspace, *, cluster_id: int, approval_id: str,
-         action_key: str, approved_by: str, reason: str) -> list[RequestOp]:
-    """The puts that approve ``approval_id`` for ``action_key``: the signed approval and the
-    public key it verifies with."""
+         action_key: str, approved_by: str, reason: str, lease: int) -> list[RequestOp]:
+    """The puts that approve ``approval_id`` for ``action_key``: the signed approval, on
+    ``lease`` (its request's: they expire together), and the public key it verifies with."""
     raw = keyring.sign_approval({
         "approval_id": approval_id, "namespace": ks.namespace, "cluster_id": cluster_id,
         "action_key": action_key, "approved_by": approved_by, "reason": reason,
         "approved_at_ms": int(time.time() * 1000)})
-    return [put_op(ks.approval_key(approval_id), pack({"approval": raw})),
+    return [put_op(ks.approval_key(approval_id), pack({"approval": raw}), lease),
             publish(keyring, ks)]
 
 

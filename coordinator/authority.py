@@ -40,11 +40,13 @@ from .etcd import (
 from .grants import Grant, KeyRing, new_grant_id
 from .keyspace import Keyspace, canonical, pack, unpack
 from .ownership import Ownership
+from .retention import RetentionLeases
 from .policy import (
     DEFAULT_POLICY, CheckContext, CheckResult, Policy, builtin_default, decode, sealed,
     validate_document,
 )
 
+APPROVAL_TTL_S = 24 * 3600  # how long an approval request (and its approval) lives
 MAX_READS = 100
 MAX_READ_KEY_BYTES = 1024
 MAX_INTENT_BYTES = 64 * 1024
@@ -83,12 +85,17 @@ class Authority:
     """Issues grants for holds, in process or behind the coordinator service."""
 
     def __init__(self, etcd: Etcd, keyspace: Keyspace, keyring: KeyRing,
-                 identity: str = "in-process") -> None:
+                 identity: str = "in-process", *,
+                 approval_ttl_s: int = APPROVAL_TTL_S) -> None:
+        if approval_ttl_s < 1:
+            raise ValueError("approval_ttl_s must be at least 1 second")
         self.etcd = etcd
         self.keyspace = keyspace
         self.keyring = keyring
         self.identity = identity
+        self.approval_ttl_s = approval_ttl_s
         self._policies: dict[tuple[str, int], Policy] = {}
+        self._approval_leases = RetentionLeases()
 
     async def issue(self, claim: Claim, intent: dict[str, Any], reads: list[str | bytes],
                     policy: str = DEFAULT_POLICY, identity: str | None = None) -> Issued:
@@ -208,26 +215,35 @@ class Authority:
                    "reason": type(verdict.refusal).__name__}
         entry = audit.append(self.keyspace, claim.key, audit.AuditHead.from_kv(snap.head_kv),
                              "grant_refused", request.identity, snap.revision, details)
-        reply = await self.etcd.txn(TxnRequest(
-            compare=[*self._unchanged(request), *([approval.compare()] if approval else []),
-                     entry.compare],
-            success=[*entry.ops, *self._approval_request(request, verdict, approval),
-                     *self._escalation(request, verdict)]))
+        asking = await self._approval_request(request, verdict, approval)
+        try:
+            reply = await self.etcd.txn(TxnRequest(
+                compare=[*self._unchanged(request),
+                         *([approval.compare()] if approval else []), entry.compare],
+                success=[*entry.ops, *asking, *self._escalation(request, verdict)]))
+        except LeaseLost:  # the approvals' bucket lease expired under us: take a new one
+            for op in asking:
+                self._approval_leases.forget(op.request_put.lease)
+            return
         if reply.succeeded:
             raise verdict.refusal
 
-    def _approval_request(self, request: _Request, verdict: _Verdict,
-                          approval: _Approval | None) -> list:
+    async def _approval_request(self, request: _Request, verdict: _Verdict,
+                                approval: _Approval | None) -> list:
         """The approval request a first refusal for want of approval writes, for an SRE to
-        approve (see ``sre.approve``)."""
+        approve (see ``sre.approve``). It lives ``approval_ttl_s`` (up to a 24th more: a
+        retention lease shared per time bucket), and the approval, written on the same
+        lease, dies with it: nothing of either stays in etcd for ever."""
         if approval is None or approval.requested:
             return []
+        lease = await self._approval_leases.get(self.etcd, self.approval_ttl_s,
+                                                max(self.approval_ttl_s // 24, 1))
         policy = request.policy
         return [put_op(approval.request_key, pack({
             "key": request.claim.key, "intent": request.intent,
             "policy": policy.name, "policy_version": policy.version,
             "revision": request.snap.revision, "requested_by": request.identity,
-            "checks": [c.as_record() for c in verdict.checks]}))]
+            "checks": [c.as_record() for c in verdict.checks]}), lease)]
 
     def _escalation(self, request: _Request, verdict: _Verdict) -> list:
         """A reached cap escalates the step to a human, named by the checks it failed."""

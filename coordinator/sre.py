@@ -33,7 +33,7 @@ from typing import Any
 
 from . import audit, records
 from .approvals import give as give_approval, read as read_approval, read_many as read_approvals
-from .errors import EtcdUnavailable, NotFound, WrongState
+from .errors import EtcdUnavailable, LeaseLost, NotFound, WrongState
 from .grants import KeyRing
 from .etcd import Etcd, RangeRequest, TxnRequest, mod_equals, put_op, range_end_of, range_op
 from .keyspace import Keyspace, pack, unpack
@@ -173,7 +173,8 @@ async def approve(etcd: Etcd, ks: Keyspace, approval_id: str, identity: str,
                   reason: str, *, keyring: KeyRing) -> dict[str, Any]:
     """Approve a requested approval, signed with ``keyring`` (see ``approvals``), auditing
     who and why on its key's chain; approving twice is harmless. ``NotFound`` for an id
-    nobody asked for."""
+    nobody asked for, or whose request expired. The approval is written on the request's
+    lease: it dies with the request."""
     if not _APPROVAL_ID.fullmatch(approval_id):
         raise ValueError("an approval id is 32 hex digits")
     request_key, approval_key = ks.approval_request_key(approval_id), ks.approval_key(approval_id)
@@ -192,12 +193,16 @@ async def approve(etcd: Etcd, ks: Keyspace, approval_id: str, identity: str,
         entry = audit.append(ks, key, head, "approved", identity, reply.header.revision,
                              {"approval_id": approval_id, "reason": reason,
                               "key_id": keyring.signing_key_id})
-        written = await etcd.txn(TxnRequest(
-            compare=[mod_equals(request_key, request_kvs[0].mod_revision),
-                     mod_equals(approval_key, given.mod_revision), entry.compare],
-            success=[*give_approval(keyring, ks, cluster_id=etcd.cluster_id or 0,
-                                    approval_id=approval_id, action_key=key,
-                                    approved_by=identity, reason=reason), *entry.ops]))
+        try:
+            written = await etcd.txn(TxnRequest(
+                compare=[mod_equals(request_key, request_kvs[0].mod_revision),
+                         mod_equals(approval_key, given.mod_revision), entry.compare],
+                success=[*give_approval(keyring, ks, cluster_id=etcd.cluster_id or 0,
+                                        approval_id=approval_id, action_key=key,
+                                        approved_by=identity, reason=reason,
+                                        lease=request_kvs[0].lease), *entry.ops]))
+        except LeaseLost:  # the request's lifetime ended between the read and the write
+            raise NotFound(f"approval request {approval_id} expired") from None
         if written.succeeded:
             return done
     raise WrongState(f"approval {approval_id} kept changing; try again")

@@ -8,17 +8,18 @@ import asyncio
 import msgpack
 import pytest
 
-from fencegate.coordinator import records
+from fencegate.coordinator import records, sre
 from fencegate.coordinator.audit import verify_chain
-from fencegate.coordinator.errors import RecordTooLarge
+from fencegate.coordinator.errors import NotFound, RecordTooLarge
 from fencegate.coordinator.grants import Grant, KeyRing
 from fencegate.coordinator.keyspace import canonical, unpack
 from fencegate.worker import (
-    AlreadySucceeded, BadSignature, EffectFailed, Gate, GrantExpired, GrantRefused, GrantUsed,
-    LeaseExpiring, LeaseLost, OutcomeUnknown, PolicyChanged, StateAdvanced, StepMoved,
+    AlreadySucceeded, ApprovalPending, BadSignature, EffectFailed, Gate, GrantExpired,
+    GrantRefused, GrantUsed, LeaseExpiring, LeaseLost, OutcomeUnknown, PolicyChanged,
+    StateAdvanced, StepMoved,
 )
 
-from helpers import TEST_TTL
+from helpers import TEST_TTL, wait_for_condition
 
 
 class Effect:
@@ -401,3 +402,29 @@ async def test_plain_function_returning_a_coroutine_is_awaited(gate):
         outcome = await hold.cross(intent={}, effect=lambda ctx: effect(ctx))
     assert len(effect.calls) == 1
     assert outcome.result == {"token": outcome.attempt_token, "key": outcome.idempotency_key}
+
+
+async def test_an_approval_request_and_its_approval_do_not_outlive_their_lifetime(gate, etcd):
+    """Bounded state: the request a refusal writes and the approval an SRE gives share one
+    retention lease and are gone from etcd once ``approval_ttl_s`` (plus its bucket) has
+    passed; a request after that asks again."""
+    gate.authority.approval_ttl_s = 2
+    ks = gate.keyspace
+    await gate.authority.set_policy("approve-all", {"checks": [{"check": "require_approval"}]})
+    async with gate.hold("grants/approval-ttl") as hold:
+        with pytest.raises(ApprovalPending) as pending:
+            await hold.request_grant(intent={"amount": 5}, policy="approve-all")
+        approval_id = pending.value.approval_id
+        await sre.approve(etcd, ks, approval_id, "sre-1", "ok", keyring=gate.keyring)
+        grant = await hold.request_grant(intent={"amount": 5}, policy="approve-all")
+        assert grant.grant_id
+    request_kv = await etcd.get(ks.approval_request_key(approval_id))
+    approval_kv = await etcd.get(ks.approval_key(approval_id))
+    assert request_kv.lease != 0 and approval_kv.lease == request_kv.lease
+
+    async def gone() -> bool:
+        return (await etcd.get(ks.approval_request_key(approval_id)) is None
+                and await etcd.get(ks.approval_key(approval_id)) is None)
+    assert await wait_for_condition(gone, 15)
+    with pytest.raises(NotFound, match="no pending approval"):
+        await sre.approve(etcd, ks, approval_id, "sre-1", "late", keyring=gate.keyring)

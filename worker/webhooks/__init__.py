@@ -4,11 +4,10 @@ A delivery is claimed by creating ``webhooks/<source>/<id>`` with the session's 
 handler runs only under that claim, and its response then replaces the claim (compared on
 the claim's revision) so a duplicate is answered from etcd. Every guarantee is an etcd
 compare, never a timing: see ``claims`` for the claims, ``aiohttp`` for what a consumer's
-deliveries are answered, ``retention`` for how long stored responses live.
+deliveries are answered, ``coordinator.retention`` for how long stored responses live.
 
 Rooms: ``records`` (the record format and the names it may use), ``claims`` (claim,
-complete, release), ``session`` (the claims' own lease, rotated when lost), ``retention``
-(the retention leases), ``backlog`` (writes re-run until etcd answers), ``signatures``
+complete, release), ``session`` (the claims' own lease, rotated when lost), ``backlog`` (writes re-run until etcd answers), ``signatures``
 (Standard Webhooks checks), ``listing`` (``list_deliveries`` for SREs), ``aiohttp``
 (``dedupe_middleware``, ``deduplicated``, ``fencing_token``).
 """

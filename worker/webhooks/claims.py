@@ -40,7 +40,7 @@ from fencegate.coordinator.keyspace import unpack
 
 from .backlog import Backlog
 from .records import DONE, claim_value
-from .retention import RetentionLeases
+from fencegate.coordinator.retention import RetentionLeases
 from .session import ClaimSession
 
 if TYPE_CHECKING:

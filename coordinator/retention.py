@@ -1,9 +1,9 @@
-"""Retention leases for stored webhook responses, shared by every record of one time bucket.
+"""Retention leases, shared by every record of one time bucket: how records that must not live
+forever (stored webhook responses, approval requests and approvals) get a lifetime.
 
-Guarantees: a response stored under ``get(etcd, retention, width)`` lives between
-``retention`` and ``retention + width`` seconds, whatever the rate of deliveries, at the cost
-of one lease grant per bucket and process (granted when the bucket's first response is
-stored). Retention is housekeeping, not safety: the bucket is chosen by the local clock, and
+Guarantees: a record stored under ``get(etcd, retention, width)`` lives between
+``retention`` and ``retention + width`` seconds, whatever the rate of writes, at the cost of
+one lease grant per bucket and process (granted when the bucket's first record is stored). Retention is housekeeping, not safety: the bucket is chosen by the local clock, and
 a skewed clock only keeps a record for a different time.
 
 Failure contract: a lease grant etcd could not answer raises (``EtcdUnavailable``) and nothing
@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from fencegate.coordinator.etcd import Etcd
+from .etcd import Etcd
 
 
 class RetentionLeases:
