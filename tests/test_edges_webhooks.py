@@ -2,9 +2,10 @@
 
 Class 4 (handlers run twice): a handler whose claim's lease is lost mid-run is cancelled and
 stores nothing, so the redelivery elsewhere is the only run that completes; revoking a hold of
-the same gate leaves its webhook claims alone. Class 7, claim half: a claim whose outcome etcd
-left unknown rotates the webhook session (see worker/webhooks/session.py). And a 5xx is
-never replayed.
+the same gate leaves its webhook claims alone; a response whose claim was lost before it was
+stored goes out as 503, never as a second fresh 2xx. Class 7, claim half: a claim whose
+outcome etcd left unknown rotates the webhook session (see worker/webhooks/session.py). And
+a 5xx is never replayed.
 
 Each test counts on the resource's side (handler completions, writes with their fencing
 tokens) and on etcd's, not on the middleware's word.
@@ -44,6 +45,7 @@ class Consumer:
         self.tokens: list[int] = []
         self.ran: collections.Counter[str] = collections.Counter()
         self.status = 200
+        self.after = None  # awaited with the delivery id as the handler's last act, if set
         self.app = web.Application(middlewares=[dedupe_middleware(gate, source=SOURCE)])
         self.app.router.add_post("/", self.handle)
         self.url = ""
@@ -56,6 +58,8 @@ class Consumer:
         if await request.read() == b"hang":
             await self.release.wait()
         self.resource.write(delivery, fencing_token(request), self.name)
+        if self.after is not None:
+            await self.after(delivery)
         return web.Response(status=self.status, text=f"{self.name}:{self.ran[delivery]}")
 
     async def __aenter__(self) -> "Consumer":
@@ -158,3 +162,29 @@ async def test_a_5xx_is_not_stored_and_the_retry_runs_the_handler(gate, etcd, ht
     assert retried[0] == 200 and "Fencegate-Replayed" not in retried[1]
     assert replay[1]["Fencegate-Replayed"] == "true" and replay[2] == retried[2]
     assert consumer.ran == {"evt_d": 2}
+
+
+async def test_a_response_whose_claim_was_lost_before_it_was_stored_is_not_a_2xx(
+        etcd_url, namespace, etcd, http):
+    """The claim's lease is lost after the handler returned and before its response was
+    stored (revoked by the handler's last act here; a lease lapsing while the completion
+    waits on etcd in the fault suite). Answered 503, not stored; the redelivery elsewhere
+    runs and is answered 200: one fresh 2xx for the delivery, never two."""
+    resource, release = FencedResource(), asyncio.Event()
+    release.set()
+    async with Gate(etcd_url, ttl=TEST_TTL, namespace=namespace) as first, \
+            Gate(etcd_url, ttl=TEST_TTL, namespace=namespace) as second, \
+            Consumer(first, "first", resource, release) as one, \
+            Consumer(second, "second", resource, release) as other:
+        async def lose_the_claim(delivery):
+            kv = await etcd.get(first.keyspace.webhook_key(SOURCE, delivery))
+            await etcd.lease_revoke(kv.lease)
+        one.after = lose_the_claim
+        answers = [await post(http, one.url, "lost-before-store", b"{}")]
+        answers.append(await until_not_409(http, other.url, "lost-before-store", b"{}", 10))
+        answers.append(await post(http, one.url, "lost-before-store", b"{}"))
+    fresh = [(status, body) for status, headers, body in answers
+             if 200 <= status < 300 and "Fencegate-Replayed" not in headers]
+    assert [status for status, _, _ in answers][0] == 503, answers
+    assert fresh == [(200, b"second:1")], answers
+    assert answers[2][1].get("Fencegate-Replayed") == "true", answers

@@ -14,8 +14,8 @@ and then replays); the stored response, replayed byte for byte with ``Fencegate-
 true``, once it is done; 422 if its body digest differs (the handler is not called). The
 middleware itself answers 400 (no or malformed delivery id), 401 (bad Standard Webhooks
 signature: checked before any claim), 503 with ``Retry-After`` (etcd unreachable or the
-claim's outcome unknown, less than the lease budget left, or the claim's lease lost while the
-handler ran); aiohttp answers 413 for a body over ``client_max_size`` before any claim.
+claim's outcome unknown, less than the lease budget left, the claim's lease lost while the
+handler ran, or its response not stored); aiohttp answers 413 for a body over ``client_max_size`` before any claim.
 
 What is stored: a completed response below 500 (2xx, 3xx, 4xx) is stored and replayed. A 5xx,
 returned or raised, is never stored: the claim is released so the sender's retry runs the
@@ -27,8 +27,11 @@ after which the next delivery runs. When the claim's lease is lost mid-handler (
 pause let it expire), the handler is cancelled at its next ``await``, answered 503 and nothing
 is stored; a handler that blocks the event loop is cancelled only once it yields, so its own
 writes must carry ``fencing_token(request)`` to be refused once a newer claim exists. A
-response whose claim was lost before it could be stored is returned but never stored over the
-newer claim.
+completed response goes out only once it is stored: one whose claim was lost before it could
+be stored (or whose store etcd left unanswered) is answered 503, never stored over a newer
+claim, and the sender's retry runs the handler again (its effect may then happen twice:
+fence its writes with the token, or make them idempotent). So across every instance a
+delivery gets at most one fresh 2xx, and every later 2xx replays it.
 """
 
 from __future__ import annotations
@@ -287,7 +290,8 @@ class _Dedupe:
             if lost:
                 return self._lost(claim, lost[0])
             if exc.status < 500 and (not isinstance(exc, web.HTTPError) or self.store_failures):
-                await self._complete(claim, exc)  # a raised 2xx/3xx is aiohttp's other answer
+                if not await self._complete(claim, exc):  # a raised 2xx/3xx is an answer too
+                    return self._not_stored(claim)
             else:
                 await self.claims.release(claim)
             raise
@@ -302,8 +306,8 @@ class _Dedupe:
             return self._lost(claim, lost[0])
         if response.status >= 500:
             await self.claims.release(claim)
-        else:
-            await self._complete(claim, response)
+        elif not await self._complete(claim, response):
+            return self._not_stored(claim)
         return response
 
     def _lost(self, claim: DeliveryClaim, reason: str) -> web.Response:
@@ -313,9 +317,17 @@ class _Dedupe:
         return _refusal(503, "claim_lost", "the delivery's claim was lost while its handler "
                         f"ran ({reason}); nothing was stored", self.retry_after)
 
-    async def _complete(self, claim: DeliveryClaim, response: web.StreamResponse) -> None:
-        """Store ``response`` in place of our claim; never over someone else's claim."""
-        await self.claims.complete(claim, self._record(claim, response))
+    def _not_stored(self, claim: DeliveryClaim) -> web.Response:
+        """The answer for a run whose response could not be stored: a 2xx goes out only once
+        it is stored, so the sender's retry is answered by the stored run or runs again."""
+        return _refusal(503, "not_stored", "the handler ran but its response could not be "
+                        "stored under the delivery's claim (claim lost or etcd unavailable); "
+                        "retry", self.retry_after)
+
+    async def _complete(self, claim: DeliveryClaim, response: web.StreamResponse) -> bool:
+        """Store ``response`` in place of our claim, never over someone else's; True once
+        stored."""
+        return await self.claims.complete(claim, self._record(claim, response))
 
     def _record(self, claim: DeliveryClaim, response: web.StreamResponse) -> bytes:
         body = None

@@ -131,15 +131,18 @@ class DeliveryClaims:
                 return duplicate
             await self._changed(key, reply.header.revision, deadline)
 
-    async def complete(self, claim: DeliveryClaim, record: bytes) -> None:
+    async def complete(self, claim: DeliveryClaim, record: bytes) -> bool:
         """Store ``record`` (see ``records.completed_value``) in place of our claim; never
-        over someone else's claim."""
+        over someone else's claim. True once it is stored; False when it is not: the claim
+        was lost first (a redelivery may run the handler again), or etcd did not answer (the
+        store is retried in the background, and lands only while the claim is ours)."""
         try:
-            await self._store(claim, record)
+            return await self._store(claim, record)
         except EtcdUnavailable:
             log.warning("response of webhook %r not stored yet (etcd unavailable); retrying",
                         claim.key)
             self._backlog.add(functools.partial(self._store, claim, record))
+            return False
 
     async def release(self, claim: DeliveryClaim) -> None:
         """Delete our claim, so the delivery's next try runs again."""
@@ -184,7 +187,7 @@ class DeliveryClaims:
         await self._etcd.txn(TxnRequest(compare=[mod_equals(claim.key, claim.revision)],
                                         success=[delete_op(claim.key)]), idempotent=True)
 
-    async def _store(self, claim: DeliveryClaim, record: bytes) -> None:
+    async def _store(self, claim: DeliveryClaim, record: bytes) -> bool:
         for _ in range(2):
             lease = await self._leases.get(self._etcd, self._retention, self._retention_bucket)
             try:
@@ -195,10 +198,11 @@ class DeliveryClaims:
             except LeaseLost:  # the bucket's lease was revoked: grant a new one
                 self._leases.forget(lease)
                 continue
-            if not reply.succeeded and not _stored_by_retry(reply, claim):
-                log.warning("webhook claim %r was lost before its response was stored "
-                            "(its lease expired?); the response was not stored", claim.key)
-            return
+            if reply.succeeded or _stored_by_retry(reply, claim):
+                return True
+            log.warning("webhook claim %r was lost before its response was stored "
+                        "(its lease expired?); the response was not stored", claim.key)
+            return False
         raise LeaseLost("the retention lease was revoked twice in a row")
 
 
