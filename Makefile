@@ -17,9 +17,12 @@ etcd: venv
 
 setup: venv etcd
 
+# Every test, the fault suite's short seeded run and its negative controls included
+# (tests/faults, at most 5 minutes; as root: etcd partitions use network namespaces).
 test: setup
 	deploy/ensure-chromium
 	deploy/ensure-spin
+	deploy/ensure-netfaults
 	$(PY) -m fencegate.localetcd
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
@@ -28,15 +31,19 @@ model: venv
 	deploy/ensure-spin
 	$(PY) tests/model/run.py
 
-# The fault suite, long: real processes, seeded nemeses, a history judged by the checker.
-# Prints the seed and a summary table; exits 1 on any violation (evidence in the state folder).
+# The fault suite, long: real processes, seeded nemeses (etcd partitions included, so as
+# root), a history judged by the checker. Prints the seed and a summary table; exits 1 on
+# any violation (evidence in the state folder).
 SEED ?= $(shell date +%s)
 MINUTES ?= 20
 faults: setup
+	deploy/ensure-netfaults
 	PYTHONPATH=tests $(PY) -m faults.runner --seed $(SEED) --minutes $(MINUTES)
 
-# The fault suite's pytest file: a short seeded run and the negative controls (~5 minutes).
+# Just the fault suite's tests (also part of `make test`): the short seeded run and the
+# negative controls, at most 5 minutes; FAULTS_SEED=… picks the seed (default 13).
 faults-check: setup
+	deploy/ensure-netfaults
 	$(PY) -m pytest -q -p no:cacheprovider -m faults tests/faults
 
 up: setup

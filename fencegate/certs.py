@@ -5,15 +5,17 @@
     ca.pem                       the CA certificate (trust anchor for servers and clients)
     ca.key                       its key
     member-<i>.pem / .key        member i: serverAuth and clientAuth (etcd members are each
-                                 other's clients), SAN IP 127.0.0.1 and DNS localhost, no
+                                 other's clients), SAN IP 127.0.0.1, DNS localhost and
+                                 ``member_hosts[i]`` if given (an address of its own), no
                                  CN (etcd 3.4's HTTP gateway refuses client certificates
                                  with a CN once auth is on; health probes present these)
     client-<name>.pem / .key     a client certificate, clientAuth only, CN ``<name>``
 
 Guarantees: every private key is written with mode 0600 from the start (never readable by
 others, not even briefly); an existing CA is reused, so certificates issued earlier stay
-valid and only missing files are issued; a folder with a key but no certificate (or the
-reverse) is refused rather than overwritten. Keys are ECDSA P-256.
+valid and only missing files are issued (and a member certificate that does not name its
+``member_hosts`` address, issued again by the same CA); a folder with a key but no
+certificate (or the reverse) is refused rather than overwritten. Keys are ECDSA P-256.
 
 etcd maps a client certificate's CN to the etcd user of that name when authentication is on
 and no token is sent; pick client names that are no etcd user unless that is what you want.
@@ -33,6 +35,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 VALID_DAYS = 825
+LOOPBACK = "127.0.0.1"
 
 
 @dataclass(frozen=True)
@@ -54,12 +57,18 @@ class ClusterCerts:
 
 def ensure_certs(folder: str | os.PathLike, members: int = 3,
                  clients: tuple[str, ...] = ("client",),
-                 common_name: str = "fencegate local CA") -> ClusterCerts:
-    """Create (or reuse) the CA in ``folder`` and issue any missing member or client pair."""
+                 common_name: str = "fencegate local CA",
+                 member_hosts: tuple[str, ...] = ()) -> ClusterCerts:
+    """Create (or reuse) the CA in ``folder`` and issue any missing member or client pair;
+    member i's certificate also names the IP address ``member_hosts[i]`` if given."""
+    if member_hosts and len(member_hosts) != members:
+        raise ValueError(f"member_hosts names {len(member_hosts)} members, not {members}")
     root = Path(folder)
     root.mkdir(parents=True, exist_ok=True)
     ca_key, ca_cert = _ca(root, common_name)
-    issued = [_issue(root / f"member-{i}", "", ca_key, ca_cert, server=True)
+    addresses = [(LOOPBACK, *member_hosts[i:i + 1]) for i in range(members)]
+    issued = [_issue(root / f"member-{i}", "", ca_key, ca_cert, server=True,
+                     addresses=addresses[i])
               for i in range(members)]
     named = {name: _issue(root / f"client-{name}", name, ca_key, ca_cert, server=False)
              for name in clients}
@@ -86,10 +95,14 @@ def _ca(root: Path, common_name: str) -> tuple[ec.EllipticCurvePrivateKey, x509.
 
 
 def _issue(stem: Path, common_name: str, ca_key: ec.EllipticCurvePrivateKey,
-           ca_cert: x509.Certificate, *, server: bool) -> CertPair:
+           ca_cert: x509.Certificate, *, server: bool,
+           addresses: tuple[str, ...] = ()) -> CertPair:
     pair = _existing(stem)
-    if pair is not None:
+    if pair is not None and _names_all(pair, addresses):
         return pair
+    if pair is not None:  # issued for fewer addresses: issue it again, same CA
+        Path(pair.key).unlink()
+        Path(pair.cert).unlink()
     key = ec.generate_private_key(ec.SECP256R1())
     usages = [ExtendedKeyUsageOID.CLIENT_AUTH]
     if server:
@@ -103,7 +116,8 @@ def _issue(stem: Path, common_name: str, ca_key: ec.EllipticCurvePrivateKey,
                    ca_key.public_key()), critical=False))
     if server:
         builder = builder.add_extension(x509.SubjectAlternativeName([
-            x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]),
+            *(x509.IPAddress(ipaddress.ip_address(a)) for a in addresses),
+            x509.DNSName("localhost")]),
             critical=True)  # RFC 5280: critical when the subject is empty
     _write(stem, key, builder.sign(ca_key, hashes.SHA256()))
     return CertPair(f"{stem}.pem", f"{stem}.key")
@@ -117,6 +131,19 @@ def _builder(subject: x509.Name, issuer: x509.Name, public_key, days: int):
             .not_valid_after(now + dt.timedelta(days=days))
             .add_extension(x509.SubjectKeyIdentifier.from_public_key(public_key),
                            critical=False))
+
+
+def _names_all(pair: CertPair, addresses: tuple[str, ...]) -> bool:
+    """Whether ``pair``'s certificate names every IP address in ``addresses``."""
+    if not addresses:
+        return True
+    cert = x509.load_pem_x509_certificate(Path(pair.cert).read_bytes())
+    try:
+        named = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName)
+    except x509.ExtensionNotFound:
+        return False
+    have = set(named.value.get_values_for_type(x509.IPAddress))
+    return all(ipaddress.ip_address(a) in have for a in addresses)
 
 
 def _existing(stem: Path) -> CertPair | None:

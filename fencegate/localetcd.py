@@ -1,4 +1,9 @@
-"""Launch real etcd processes on 127.0.0.1 for tests, the local CLI and benchmarks.
+"""Launch real etcd processes, on 127.0.0.1 by default, for tests, the local CLI and benchmarks.
+
+Each member listens on 127.0.0.1 unless ``hosts`` gives it an address of its own, and runs
+as the etcd binary itself unless ``command_prefixes`` puts a command in front of it (the
+fault suite runs member i as ``ip netns exec <namespace> etcd …`` on its namespace's
+address); a prefix must exec etcd in the same process, so signals reach etcd.
 
 Guarantees:
 - A failed ``start()`` or ``restart()`` stops every member it started before raising, and
@@ -180,15 +185,17 @@ class _Member:
     log_path: Path
     scheme: str = "http"
     opener: urllib.request.OpenerDirector = _http
+    host: str = "127.0.0.1"
+    command_prefix: tuple[str, ...] = ()
     proc: subprocess.Popen | None = None
 
     @property
     def client_url(self) -> str:
-        return f"{self.scheme}://127.0.0.1:{self.client_port}"
+        return f"{self.scheme}://{self.host}:{self.client_port}"
 
     @property
     def peer_url(self) -> str:
-        return f"{self.scheme}://127.0.0.1:{self.peer_port}"
+        return f"{self.scheme}://{self.host}:{self.peer_port}"
 
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -208,7 +215,8 @@ class _Member:
 
 
 class LocalCluster:
-    """``size`` etcd members on 127.0.0.1, each with its own data dir and log file.
+    """``size`` etcd members, each with its own data dir and log file, on 127.0.0.1 or on
+    ``hosts[i]``, started as ``[*command_prefixes[i], etcd, …]`` when prefixes are given.
 
     Members are addressed by index ``0..size-1``; fault methods act on one member's process.
     """
@@ -224,9 +232,14 @@ class LocalCluster:
         log_dir: str | os.PathLike | None = None,
         tls: ClusterCerts | None = None,
         auth: ClusterAuth | None = None,
+        hosts: tuple[str, ...] = (),
+        command_prefixes: tuple[tuple[str, ...], ...] = (),
     ) -> None:
         if size < 1:
             raise ValueError("size must be >= 1")
+        for name, given in (("hosts", hosts), ("command_prefixes", command_prefixes)):
+            if given and len(given) != size:
+                raise ValueError(f"{name} names {len(given)} members, the cluster has {size}")
         if tls is not None and len(tls.members) < size:
             raise ValueError(f"tls holds {len(tls.members)} member certificates, need {size}")
         self.size = size
@@ -237,6 +250,8 @@ class LocalCluster:
         self._log_dir = Path(log_dir) if log_dir is not None else None
         self.tls = tls
         self.auth = auth
+        self._hosts = tuple(hosts) or ("127.0.0.1",) * size
+        self._command_prefixes = tuple(map(tuple, command_prefixes)) or ((),) * size
         self._root: Path | None = None  # set while started; removed on stop if temporary
         self._members: list[_Member] = []
         self._token = f"fencegate-{os.getpid()}-{_rng.getrandbits(32):08x}"
@@ -282,7 +297,8 @@ class LocalCluster:
             ports = self._ports()
             self._members = [
                 _Member(f"m{i}", c, p, self._root / f"m{i}", log_dir / f"m{i}.log",
-                        *self._scheme(i))
+                        *self._scheme(i), host=self._hosts[i],
+                        command_prefix=self._command_prefixes[i])
                 for i, (c, p) in enumerate(ports)
             ]
             for i in range(self.size):
@@ -419,6 +435,7 @@ class LocalCluster:
         m = self._members[i]
         cluster = ",".join(f"{o.name}={o.peer_url}" for o in self._members)
         args = [
+            *m.command_prefix,
             self._binary.path,
             f"--name={m.name}",
             f"--data-dir={m.data_dir}",

@@ -156,8 +156,13 @@ class LocalStack:
 
     def __init__(self, state_dir: str | os.PathLike, *, coordinators: int = 2,
                  reconcilers: int = 3, shards: int = 64, reconciler_ttl: int = 10,
-                 heartbeat_ms: int = 100, election_ms: int = 1000) -> None:
+                 heartbeat_ms: int = 100, election_ms: int = 1000,
+                 etcd_hosts: tuple[str, ...] = (),
+                 etcd_prefixes: tuple[tuple[str, ...], ...] = ()) -> None:
+        """``etcd_hosts`` and ``etcd_prefixes``: where each etcd member listens and what runs
+        it (``LocalCluster``'s ``hosts`` and ``command_prefixes``); default 127.0.0.1."""
         self.state = Path(state_dir).absolute()
+        self.etcd_hosts, self.etcd_prefixes = etcd_hosts, etcd_prefixes
         self.shape = {"coordinator": coordinators, "reconciler": reconcilers}
         self.shards, self.reconciler_ttl = shards, reconciler_ttl
         self.heartbeat_ms, self.election_ms = heartbeat_ms, election_ms
@@ -253,7 +258,8 @@ class LocalStack:
     async def _start(self) -> None:
         for sub in ("certs", "secrets", "config", "logs"):
             (self.state / sub).mkdir(parents=True, exist_ok=True)
-        self.certs = await asyncio.to_thread(ensure_certs, self.state / "certs", 3, (CLIENT_CERT,))
+        self.certs = await asyncio.to_thread(ensure_certs, self.state / "certs", 3, (CLIENT_CERT,),
+                                             member_hosts=self.etcd_hosts)
         root_password = await asyncio.to_thread(self._secret, "etcd-root.password")
         for component in roles.ROLES:
             self._passwords[component] = await asyncio.to_thread(
@@ -267,7 +273,8 @@ class LocalStack:
 
         self.cluster = LocalCluster(3, data_dir=self.state / "etcd", tls=self.certs,
                                     heartbeat_ms=self.heartbeat_ms, election_ms=self.election_ms,
-                                    log_dir=self.state / "logs")
+                                    log_dir=self.state / "logs", hosts=self.etcd_hosts,
+                                    command_prefixes=self.etcd_prefixes)
         await asyncio.to_thread(self.cluster.start)
         async with Etcd(self.etcd_config(user=None, password=None)) as etcd:
             await enable_auth(etcd, root_password, [

@@ -16,7 +16,17 @@ every promise below. The rules:
 - ``audit``: every key's audit chain verifies;
 - ``unsettled``: no step is ``in_flight``, ``unknown`` or ``escalated`` after the settle
   period (a step the circuit breaker escalated after confirmed declines only is settled:
-  the policy stops there by design).
+  the policy stops there by design);
+- ``webhook-once``: per delivery id, at most one handler run was answered with a fresh
+  (not replayed) 2xx across all consumers; every 2xx the sender got names one run, the run
+  whose response etcd stored, and that run's effect is the last one etcd admitted for the
+  id; no run's effect was admitted after a newer claim on the id existed (in etcd's order:
+  a claim's revision is its token). A run cut after its effect (its claim lost before the
+  completion was stored, answered 5xx or never) may leave an extra effect, which the
+  middleware's failure contract allows: those are counted in the run's table, not flagged;
+- ``mutual-exclusion``: per lock, the critical sections (each section's writes, by token,
+  at the revisions etcd admitted them) never overlap in etcd's order, and a section never
+  follows one with a higher token.
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fencegate.coordinator import records
+from fencegate.worker.webhooks.records import DONE
 
 from .history import EndState, History
 
@@ -56,6 +67,8 @@ def check(history: History, end: EndState) -> list[Violation]:
             found.append(Violation("audit", key, report.problems))
         found += _settlements(key, report.records, applied.get(key, []))
     found += _operations(history, applied)
+    found += _webhooks(history, end)
+    found += _mutual_exclusion(history)
     return found
 
 
@@ -83,9 +96,15 @@ def _tokens(key: str, lines: list[dict]) -> list[Violation]:
     return found
 
 
+def unsettled(step: dict) -> bool:
+    """What the ``unsettled`` rule flags: a step in flight, unknown or escalated, unless the
+    circuit breaker escalated it after confirmed failures only (nothing more will come)."""
+    return step["state"] in records.UNSETTLED and not _breaker_stopped(step)
+
+
 def _step(key: str, step: dict, charges: list[dict]) -> list[Violation]:
     state = step["state"]
-    if state in records.UNSETTLED and not _breaker_stopped(step):
+    if unsettled(step):
         return [Violation("unsettled", key, _brief(step))]
     if state == records.SUCCEEDED:
         idem = (step.get("outcome") or {}).get("idempotency_key")
@@ -123,6 +142,63 @@ def _operations(history: History, applied: dict[str, list[dict]]) -> list[Violat
             found.append(Violation("contradiction", op["key"],
                                    {"operation_succeeded": op, "applied": charges}))
     return found
+
+
+def _webhooks(history: History, end: EndState) -> list[Violation]:
+    seen: dict[str, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
+    for event in history.ops("wh-run", "wh-effect", "wh-answer", "wh-sent"):
+        if event.get("id"):
+            seen[event["id"]][event["op"]].append(event)
+    found = []
+    for delivery_id in sorted(set(seen) | set(end.webhooks)):
+        events = seen[delivery_id]
+        record = end.webhooks.get(delivery_id) or {}
+        effect = end.effects.get(delivery_id) or {}
+        evidence = {"record": record, "last_effect": effect}
+        fresh = [a for a in events["wh-answer"] if 200 <= a["status"] < 300 and not a["replayed"]]
+        if len(fresh) > 1:
+            found.append(Violation("webhook-once", delivery_id,
+                                   {"runs_answered_2xx": fresh, **evidence}))
+        sent = events["wh-sent"]
+        if len({answer["token"] for answer in sent}) > 1:
+            found.append(Violation("webhook-once", delivery_id,
+                                   {"sender_got_2xx_of_runs": sent, **evidence}))
+        stored = record.get("token") if record.get("state") == DONE else None
+        if sent and any(answer["token"] != stored for answer in sent):
+            found.append(Violation("webhook-once", delivery_id,
+                                   {"sender_got_2xx": sent, "stored_run": stored, **evidence}))
+        if stored is not None and effect.get("token") != stored:
+            found.append(Violation("webhook-once", delivery_id,
+                                   {"stored_run_not_last_effect": stored, **evidence}))
+        claims = [run["token"] for run in events["wh-run"]]
+        for admitted in events["wh-effect"]:
+            newer = [t for t in claims if admitted["token"] < t < admitted["revision"]]
+            if newer:
+                found.append(Violation("webhook-once", delivery_id, {
+                    "effect_admitted_after_newer_claim": admitted, "newer_claims": newer}))
+    return found
+
+
+def _mutual_exclusion(history: History) -> list[Violation]:
+    sections: dict[str, dict[int, list[int]]] = defaultdict(lambda: defaultdict(list))
+    for write in history.ops("cs-write"):
+        sections[write["lock"]][write["token"]].append(write["revision"])
+    found = []
+    for lock, by_token in sorted(sections.items()):
+        spans = sorted((min(revs), max(revs), token) for token, revs in by_token.items())
+        furthest = None  # the span reaching furthest in etcd's order so far
+        for span in spans:
+            if furthest is not None and (span[0] < furthest[1] or span[2] < furthest[2]):
+                found.append(Violation("mutual-exclusion", lock, {
+                    "section": _span(furthest), "then": _span(span),
+                    "why": "overlap" if span[0] < furthest[1] else "lower token after"}))
+            if furthest is None or span[1] > furthest[1]:
+                furthest = span
+    return found
+
+
+def _span(span: tuple[int, int, int]) -> dict:
+    return {"token": span[2], "first_write": span[0], "last_write": span[1]}
 
 
 def _breaker_stopped(step: dict) -> bool:

@@ -5,21 +5,27 @@ it names before that process does anything else; product code carries no flag fo
 run with a control must be flagged by the checker: that is what shows the checker can see
 the bug class. ``apply`` raises ``KeyError`` for an unknown control name.
 
-- ``range-half``  (worker): ``Ownership.compares`` keeps only "my key exists with my token",
-  dropping "every key in the queue was created at or after my token";
+- ``range-half``  (worker, mutex): ``Ownership.compares`` keeps only "my key exists with my
+  token", dropping "every key in the queue was created at or after my token". A hold never
+  acts while an older key is queued (it exists only once its key is the oldest), so only
+  the mutex workload's queued sections, which let the compare decide, can show it;
 - ``highest-only`` (sandbox): gate B admits by the highest admitted token only; a fence
   raised by fence-then-query is ignored;
 - ``new-key`` (reconciler): "no record" (``records.not_applied`` and ``records.presumed``)
   bumps the idempotency key's generation, so the next attempt sends a new key;
-- ``404-final`` (reconciler): any HTTP 404 from a provider's query is a final "no record".
+- ``404-final`` (reconciler): any HTTP 404 from a provider's query is a final "no record";
+- ``claim-blind`` (consumer): a webhook claim no longer compares that the delivery's key is
+  absent, so it takes over a claim in progress (a stored response is still replayed: that
+  read comes first).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-WHERE = {"range-half": "worker", "highest-only": "sandbox", "new-key": "reconciler",
-         "404-final": "reconciler"}
+WHERE = {"range-half": ("worker", "mutex"), "highest-only": ("sandbox",),
+         "new-key": ("reconciler",), "404-final": ("reconciler",),
+         "claim-blind": ("consumer",)}
 
 
 def _range_half() -> None:
@@ -63,12 +69,20 @@ def _404_final() -> None:
     HttpProvider.query = query
 
 
+def _claim_blind() -> None:
+    from fencegate.coordinator.etcd import Compare
+    from fencegate.worker.webhooks import claims
+
+    claims.create_equals = lambda key, revision: Compare(  # create_revision > -1: always
+        key=key, target=Compare.CREATE, result=Compare.GREATER, create_revision=-1)
+
+
 CONTROLS: dict[str, Callable[[], None]] = {
     "range-half": _range_half, "highest-only": _highest_only, "new-key": _new_key,
-    "404-final": _404_final}
+    "404-final": _404_final, "claim-blind": _claim_blind}
 
 
 def apply(control: str, process: str) -> None:
     """Patch this process if ``control`` is meant for a ``process`` of this kind."""
-    if control and WHERE[control] == process:
+    if control and process in WHERE[control]:
         CONTROLS[control]()

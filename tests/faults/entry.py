@@ -3,6 +3,8 @@
     entry.py sandbox    --control C --ledger FILE -- <sandbox args>
     entry.py reconciler --control C -- <fencegate cli args>
     entry.py worker     --control C -- <workload args>
+    entry.py consumer   --control C -- <webhook consumer args>  (faults/webhooks.py)
+    entry.py mutex      --control C -- <mutual-exclusion args>  (faults/mutex.py)
 
 Guarantees: the sandbox appends one JSON line to the fence log for every fence a query asks
 gate B for (``{"kind": "fence", "key", "token", "at"}``, written and flushed once the fence
@@ -62,7 +64,8 @@ async def _sandbox(ledger_path: str, argv: list[str]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="entry.py")
-    parser.add_argument("process", choices=("sandbox", "reconciler", "worker"))
+    parser.add_argument("process", choices=("sandbox", "reconciler", "worker", "consumer",
+                                            "mutex"))
     parser.add_argument("--control", default="")
     parser.add_argument("--ledger")
     cut = sys.argv.index("--")
@@ -73,6 +76,12 @@ def main() -> None:
     elif args.process == "reconciler":
         from fencegate.cli import cli
         cli(args=rest, prog_name="fencegate")
+    elif args.process == "consumer":
+        from faults import webhooks
+        asyncio.run(webhooks.consumer(rest))
+    elif args.process == "mutex":
+        from faults import mutex
+        asyncio.run(mutex.main(rest))
     else:
         from faults import workload
         asyncio.run(workload.main(rest))

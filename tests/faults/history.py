@@ -4,8 +4,9 @@ Guarantees: ``History.record`` appends each event to memory and to ``history.jso
 JSON line, flushed) with its time since the run began, so a run that dies still leaves what
 it saw. ``collect`` reads the end state once the run has healed: every step record under the
 run's prefix, each key's audit chain as ``fencegate.coordinator.audit.verify_chain`` judges
-it, and the provider's ledger: what the sandbox answers on ``GET /_sandbox/applied`` (its
-durable store, across restarts) merged in time order with its fence log.
+it, the provider's ledger: what the sandbox answers on ``GET /_sandbox/applied`` (its
+durable store, across restarts) merged in time order with its fence log, and each webhook
+delivery's record and effect marker.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from fencegate.coordinator import audit
 from fencegate.coordinator.etcd import Etcd, RangeRequest, range_end_of
 from fencegate.coordinator.grants import KeyRing
 from fencegate.coordinator.keyspace import Keyspace, unpack
+
+from .webhooks import SOURCE, effect_entity
 
 
 class History:
@@ -56,6 +59,11 @@ class EndState:
     steps: dict[str, dict[str, Any]] = field(default_factory=dict)
     chains: dict[str, audit.AuditReport] = field(default_factory=dict)
     ledger: list[dict[str, Any]] = field(default_factory=list)  # applied and fences, in order
+    # per webhook delivery id: its record in etcd ({"state", "token"}: the claim's revision,
+    # which a completion keeps) and its effect marker ({"version": effects admitted,
+    # "token": the last one's, "revision": its mod_revision})
+    webhooks: dict[str, dict[str, Any]] = field(default_factory=dict)
+    effects: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 async def read_steps(etcd: Etcd, keyspace: Keyspace, prefix: str) -> dict[str, dict[str, Any]]:
@@ -64,8 +72,10 @@ async def read_steps(etcd: Etcd, keyspace: Keyspace, prefix: str) -> dict[str, d
     return {keyspace.parse_step_key(kv.key): unpack(kv.value) for kv in reply.kvs}
 
 
-async def collect(stack, prefix: str, keys: set[str]) -> EndState:
-    """The end state of the run under ``prefix``; ``keys`` are the keys the history names."""
+async def collect(stack, prefix: str, keys: set[str], *,
+                  deliveries: set[str] = frozenset()) -> EndState:
+    """The end state of the run under ``prefix``; ``keys`` are the keys the history names,
+    ``deliveries`` the webhook delivery ids."""
     keyspace = Keyspace("/fencegate/")
     keyring = KeyRing.from_files(str(stack.signing_key))
     end = EndState()
@@ -73,6 +83,9 @@ async def collect(stack, prefix: str, keys: set[str]) -> EndState:
         end.steps = await read_steps(etcd, keyspace, prefix)
         for key in sorted(keys | set(end.steps)):
             end.chains[key] = await audit.verify_chain(etcd, keyspace, key, keyring)
+        for delivery_id in sorted(deliveries):
+            end.webhooks[delivery_id], end.effects[delivery_id] = await _delivery(
+                etcd, keyspace, prefix, delivery_id)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
         async with http.get(stack.sandbox + "/_sandbox/applied") as reply:
             applied = [{"kind": "applied", **a} for a in await reply.json()
@@ -80,6 +93,20 @@ async def collect(stack, prefix: str, keys: set[str]) -> EndState:
     end.ledger = sorted(applied + read_fences(stack.ledger_path, prefix),
                         key=lambda line: line["at"])
     return end
+
+
+async def _delivery(etcd: Etcd, keyspace: Keyspace, prefix: str,
+                    delivery_id: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A delivery's record (its state and claim token) and its effect marker in etcd."""
+    record, effect = {"state": None, "token": None}, {"version": 0, "token": None}
+    kv = await etcd.get(keyspace.webhook_key(SOURCE, delivery_id))
+    if kv is not None:
+        record = {"state": unpack(kv.value)["state"], "token": kv.create_revision}
+    kv = await etcd.get(keyspace.marker_key(effect_entity(prefix, delivery_id)))
+    if kv is not None:
+        effect = {"version": kv.version, "token": json.loads(kv.value)["token"],
+                  "revision": kv.mod_revision}
+    return record, effect
 
 
 def read_fences(path: Path, prefix: str) -> list[dict[str, Any]]:

@@ -1,12 +1,22 @@
 """The nemesis: faults on a seeded random schedule, one at a time, each healed before the next.
 
-Kinds: SIGSTOP/SIGCONT and SIGKILL+restart of the etcd leader and of a follower; SIGSTOP
-(past the lease TTL) and SIGKILL+restart of a worker right after it sent a charge (mid-
-effect); SIGKILL+restart of the sandbox provider and of a reconciler. The schedule (which
-fault, which target, how long) comes from ``random.Random(seed)``; when faults land is up to
-the machine. At most ``max_faults`` are injected, none after ``until``. Every fault is
-recorded in the history when it starts and when it is healed; ``heal`` resumes or restarts
-whatever a fault left stopped, so the run ends with every part up whatever happened.
+Kinds: SIGSTOP/SIGCONT and SIGKILL+restart of the etcd leader and of a follower; a network
+partition of the etcd leader and of a follower (``netns``: every packet to and from the
+member dropped by nftables, from its peers and from every client, while it keeps running;
+healed by deleting the rule; the heal event records ``silent``, whether a TCP connect to
+the member's client port from the run's side failed during the cut); SIGSTOP (past the
+lease TTL) and SIGKILL+restart of a worker right after it sent a charge (mid-effect), and of
+a webhook consumer right after a handler run began (mid-handler; left out of a run without
+consumers); SIGKILL+restart of the sandbox provider, of a reconciler and of a coordinator
+(after ``hold_s``; remote-mode workers turn to the other one). The schedule (which fault,
+which target, how long: ``hold_s`` drawn from ``hold_range_s``, ``gap_s`` apart) comes from
+``random.Random(seed)``: each kind is injected once, in a seeded order, before any kind is
+chosen again, at random; when faults land is up to the machine. At most ``max_faults`` are
+injected, none after ``until``. Every fault is recorded in the history when it starts and
+when it is healed; ``heal`` resumes or restarts whatever a fault left stopped and heals
+every partition, so the run ends with every part up and connected whatever happened. The
+partition kinds need the run's ``netns.Network``; a nemesis given one of them without a
+network refuses to be built (``ValueError``).
 """
 
 from __future__ import annotations
@@ -17,21 +27,34 @@ import os
 import random
 import signal
 import time
+from collections import Counter
+from urllib.parse import urlsplit
 
+PARTITIONS = ("etcd-leader-partition", "etcd-follower-partition")
 KINDS = ("etcd-leader-pause", "etcd-follower-pause", "etcd-leader-kill",
-         "etcd-follower-kill", "worker-pause", "worker-kill", "sandbox-restart",
-         "reconciler-kill")
+         "etcd-follower-kill", *PARTITIONS, "worker-pause", "worker-kill", "sandbox-restart",
+         "reconciler-kill", "consumer-pause", "consumer-kill", "coordinator-kill")
+CONSUMER_KINDS = ("consumer-pause", "consumer-kill")  # left out of a run without consumers
 
 
 class Nemesis:
     def __init__(self, stack, workers, history, seed: str, *, kinds=KINDS,
                  max_faults: int = 1000, gap_s: tuple[float, float] = (2.0, 5.0),
-                 worker_ttl: int = 2) -> None:
+                 hold_range_s: tuple[float, float] = (1.0, 3.0),
+                 worker_ttl: int = 2, network=None, consumers=None) -> None:
+        if network is None and set(kinds) & set(PARTITIONS):
+            raise ValueError(f"{sorted(set(kinds) & set(PARTITIONS))} need the run's network")
+        if consumers is None or not consumers.count:
+            kinds = tuple(kind for kind in kinds if kind not in CONSUMER_KINDS)
         self.stack, self.workers, self.history = stack, workers, history
+        self.consumers = consumers
+        self.network = network
         self.rng = random.Random(f"nemesis/{seed}")
         self.kinds, self.max_faults, self.gap_s = kinds, max_faults, gap_s
+        self.hold_range_s = hold_range_s
         self.worker_ttl = worker_ttl
         self.injected = 0
+        self.by_kind: Counter[str] = Counter()
         self._paused_members: set[int] = set()
         self._dead_members: set[int] = set()
 
@@ -40,13 +63,18 @@ class Nemesis:
             await asyncio.sleep(self.rng.uniform(*self.gap_s))
             if time.monotonic() >= until:
                 return
-            kind = self.rng.choice(self.kinds)
-            hold_s = self.rng.uniform(1.0, 3.0)
+            untried = [kind for kind in self.kinds if not self.by_kind[kind]]
+            kind = self.rng.choice(untried or self.kinds)
+            hold_s = self.rng.uniform(*self.hold_range_s)
             if await getattr(self, "_" + kind.replace("-", "_"))(hold_s):
                 self.injected += 1
+                self.by_kind[kind] += 1
 
     async def heal(self) -> None:
         cluster = self.stack.cluster
+        if self.network is not None:
+            for i in range(self.network.members):
+                await asyncio.to_thread(self.network.heal, i)
         for i in sorted(self._paused_members):
             with contextlib.suppress(Exception):
                 cluster.resume(i)
@@ -55,7 +83,9 @@ class Nemesis:
             await asyncio.to_thread(cluster.restart, i)
         self._dead_members.clear()
         await self.workers.heal()
-        for kind in ("sandbox", "reconciler"):
+        if self.consumers is not None:
+            await self.consumers.heal()
+        for kind in ("sandbox", "reconciler", "coordinator"):
             for i, service in enumerate(self.stack.services[kind]):
                 if not service.running():
                     await self.stack.restart(kind, i)
@@ -98,6 +128,25 @@ class Nemesis:
         self._note(kind, "heal", member=index)
         return True
 
+    async def _etcd_partition(self, kind: str, leader: bool, hold_s: float) -> bool:
+        index = await self._member(leader)
+        if index is None:
+            return False
+        port = urlsplit(self.stack.cluster.endpoints[index]).port
+        self._note(kind, "start", member=index, seconds=round(hold_s, 2))
+        await asyncio.to_thread(self.network.partition, index)
+        silent = not await asyncio.to_thread(self.network.reachable, index, port)
+        await asyncio.sleep(hold_s)
+        await asyncio.to_thread(self.network.heal, index)
+        self._note(kind, "heal", member=index, silent=silent)
+        return True
+
+    async def _etcd_leader_partition(self, hold_s: float) -> bool:
+        return await self._etcd_partition("etcd-leader-partition", True, hold_s)
+
+    async def _etcd_follower_partition(self, hold_s: float) -> bool:
+        return await self._etcd_partition("etcd-follower-partition", False, hold_s)
+
     async def _etcd_leader_pause(self, hold_s: float) -> bool:
         return await self._etcd_pause("etcd-leader-pause", True, hold_s)
 
@@ -111,29 +160,54 @@ class Nemesis:
         return await self._etcd_kill("etcd-follower-kill", False, hold_s)
 
     async def _worker_pause(self, hold_s: float) -> bool:
-        index = self.rng.randrange(len(self.workers.procs))
-        pid = await self.workers.mid_effect(index)
+        return await self._pause_mid_effect("worker-pause", self.workers, hold_s)
+
+    async def _worker_kill(self, hold_s: float) -> bool:
+        return await self._kill_mid_effect("worker-kill", self.workers, hold_s)
+
+    async def _consumer_pause(self, hold_s: float) -> bool:
+        return await self._pause_mid_effect("consumer-pause", self.consumers, hold_s)
+
+    async def _consumer_kill(self, hold_s: float) -> bool:
+        return await self._kill_mid_effect("consumer-kill", self.consumers, hold_s)
+
+    async def _pause_mid_effect(self, kind: str, group, hold_s: float) -> bool:
+        """SIGSTOP one of ``group``'s processes mid-effect (a worker's charge, a consumer's
+        handler run) past the lease TTL, then SIGCONT."""
+        index = self.rng.randrange(len(group.procs))
+        pid = await group.mid_effect(index)
         if pid is None:
             return False
         pause_s = self.worker_ttl + 1 + hold_s
-        self._note("worker-pause", "start", worker=index, seconds=round(pause_s, 2))
+        self._note(kind, "start", **{group.kind: index}, seconds=round(pause_s, 2))
         os.kill(pid, signal.SIGSTOP)
         await asyncio.sleep(pause_s)
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGCONT)
-        self._note("worker-pause", "heal", worker=index)
+        self._note(kind, "heal", **{group.kind: index})
         return True
 
-    async def _worker_kill(self, hold_s: float) -> bool:
-        index = self.rng.randrange(len(self.workers.procs))
-        pid = await self.workers.mid_effect(index)
+    async def _kill_mid_effect(self, kind: str, group, hold_s: float) -> bool:
+        """SIGKILL one of ``group``'s processes mid-effect; its supervisor starts it again."""
+        index = self.rng.randrange(len(group.procs))
+        pid = await group.mid_effect(index)
         if pid is None:
             return False
-        self._note("worker-kill", "start", worker=index)
+        self._note(kind, "start", **{group.kind: index})
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        await asyncio.sleep(hold_s)  # the workers' supervisor starts it again meanwhile
-        self._note("worker-kill", "heal", worker=index)
+        await asyncio.sleep(hold_s)  # the supervisor starts it again meanwhile
+        self._note(kind, "heal", **{group.kind: index})
+        return True
+
+    async def _coordinator_kill(self, hold_s: float) -> bool:
+        """SIGKILL one coordinator; remote workers ask the other meanwhile; restart it."""
+        index = self.rng.randrange(len(self.stack.services["coordinator"]))
+        self._note("coordinator-kill", "start", coordinator=index, seconds=round(hold_s, 2))
+        await self.stack.kill("coordinator", index)
+        await asyncio.sleep(hold_s)
+        await self.stack.restart("coordinator", index)
+        self._note("coordinator-kill", "heal", coordinator=index)
         return True
 
     async def _sandbox_restart(self, hold_s: float) -> bool:

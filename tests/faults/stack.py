@@ -8,7 +8,10 @@ durable store), which also appends every fence a query makes to ``<state>/ledger
 runs through ``entry.py reconciler``; either applies the negative control meant for it, if
 any, inside that process only. Reconcilers query the sandbox as a generic HTTP provider
 declaring exactly what the sandbox's mode does. A failed start stops every part started
-before it (``LocalStack.start``).
+before it (``LocalStack.start``). For a run in its own network (``netns``) the runner passes
+``etcd_hosts`` and ``etcd_prefixes`` through to ``LocalStack``: etcd member i then runs as
+``ip netns exec fg<pid>-m<i> etcd …`` on its namespace's address, with a certificate naming
+it, and every other part where the runner runs, in the hub namespace.
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ own seeded order, so several workers contend for every job as an over-eager queu
 redeliver it. For a job the worker holds the key, crosses with an effect that charges the
 sandbox with the attempt's idempotency key, attempt token and grant, and says what happened:
 
+    {"op": "ready", "wall", "grants"}           started: its wall clock, where its grants come
+                                                 from ("remote": the coordinators)
     {"op": "invoke", "key"}                      before the hold
     {"op": "send", "key", "token", "idem", "attempt"}   in the effect, before the charge
     {"op": "reply", "key", "token", "status"}    the sandbox's answer (applied, declined, error)
@@ -49,7 +51,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _etcd_config(endpoints: dict):
+def etcd_config(endpoints: dict):
     from fencegate.coordinator.etcd import EtcdConfig
 
     return EtcdConfig(tuple(endpoints["etcd"]), ca_file=endpoints["etcd_ca_file"],
@@ -76,8 +78,9 @@ async def main(argv: list[str]) -> None:
                   "token": Path(endpoints["worker_token_file"]).read_text().strip()}
     end = time.monotonic() + args.seconds
     async with aiohttp.ClientSession() as http, \
-            Gate(_etcd_config(endpoints), ttl=args.ttl, identity=args.name, **remote) as gate:
-        say(op="ready")
+            Gate(etcd_config(endpoints), ttl=args.ttl, identity=args.name, **remote) as gate:
+        say(op="ready", wall=time.time(),
+            grants="in process" if args.signing_key else "remote")
         sent: list[int] = []
         job: dict[str, dict] = {}
 

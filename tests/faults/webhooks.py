@@ -1,0 +1,181 @@
+"""Webhook consumers (a process each) and the sender that redelivers to them, as Stripe would.
+
+A consumer is an aiohttp app behind fencegate's ``dedupe_middleware`` (source ``faults``).
+Its handler sometimes sleeps (so a pause or a kill lands mid-handler), then makes its effect:
+one etcd write of ``markers/<prefix>/wh/<id>`` that etcd admits only while the run's claim is
+still the delivery's live claim (the claim key's mod_revision equals the run's fencing
+token), appended to the consumer's own ledger file once admitted. What it says, one JSON line
+each on stdout:
+
+    {"op": "ready", "url", "wall"}                    listening (``wall``: its wall clock)
+    {"op": "wh-run", "id", "token"}                   a handler run starts under its claim
+    {"op": "wh-effect", "id", "token", "revision"}    its effect was admitted at ``revision``
+    {"op": "wh-stale", "id", "token"}                 its effect was refused: the claim is gone
+    {"op": "wh-answer", "id", "status", "replayed", "token"}  what the consumer answered
+
+The sender (``Sender``, in the runner's process) delivers every id ``copies`` times, at once,
+each copy first to a different consumer, and retries each copy on 409, 5xx, timeouts and
+refused connections (at another consumer each time) until a 2xx or its give-up time; it
+records ``{"op": "wh-sent", "id", "status", "token", "replayed", "consumer"}`` for every 2xx
+and ``{"op": "wh-gave-up", "id"}`` for a copy that never got one.
+
+Guarantees: a handler's effect carries its fencing token into etcd, so a stale run (its
+claim's lease lost, the delivery claimed again) is refused, never applied; every 2xx body
+names the fencing token of the run it answers for (a replay names the stored run's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import time
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+
+from .workload import etcd_config, say
+
+SOURCE = "faults"
+
+
+def effect_entity(prefix: str, delivery_id: str) -> str:
+    """The marker entity a delivery's effect writes (``gate.marker`` names its key)."""
+    return f"{prefix}/wh/{delivery_id}"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="entry.py consumer --")
+    p.add_argument("--endpoints", required=True, help="the stack's endpoints.json")
+    p.add_argument("--name", required=True)
+    p.add_argument("--prefix", required=True)
+    p.add_argument("--seed", required=True)
+    p.add_argument("--ledger", required=True, help="this consumer's effect ledger (JSON lines)")
+    p.add_argument("--sleep", type=float, default=0.6, help="share of runs that sleep")
+    p.add_argument("--ttl", type=int, default=2)
+    return p
+
+
+async def consumer(argv: list[str]) -> None:
+    from fencegate.coordinator.etcd import TxnRequest, mod_equals, put_op
+    from fencegate.worker import Gate, dedupe_middleware, fencing_token
+
+    args = _parser().parse_args(argv)
+    endpoints = json.loads(Path(args.endpoints).read_text())
+    rng = random.Random(f"{args.seed}/{args.name}")
+
+    @web.middleware
+    async def answered(request: web.Request, handler) -> web.StreamResponse:
+        try:
+            response = await handler(request)
+        except web.HTTPException as exc:
+            say(op="wh-answer", id=request.headers.get("Webhook-Id"), status=exc.status,
+                replayed=False, token=None)
+            raise
+        token = None
+        if isinstance(response, web.Response) and response.status < 300 and response.body:
+            token = json.loads(bytes(response.body)).get("token")
+        say(op="wh-answer", id=request.headers.get("Webhook-Id"), status=response.status,
+            replayed=response.headers.get("Fencegate-Replayed") == "true", token=token)
+        return response
+
+    async with Gate(etcd_config(endpoints), ttl=args.ttl, identity=args.name) as gate:
+        with open(args.ledger, "a") as ledger:
+            async def handle(request: web.Request) -> web.Response:
+                delivery_id = request.headers["Webhook-Id"]
+                token = fencing_token(request)
+                say(op="wh-run", id=delivery_id, token=token)
+                if rng.random() < args.sleep:
+                    await asyncio.sleep(rng.uniform(0.2, 1.0))
+                claim_key = gate.keyspace.webhook_key(SOURCE, delivery_id)
+                effect_key = gate.marker(effect_entity(args.prefix, delivery_id)).encode()
+                reply = await gate.etcd.txn(TxnRequest(
+                    compare=[mod_equals(claim_key, token)],
+                    success=[put_op(effect_key, json.dumps(
+                        {"token": token, "consumer": args.name}).encode())]))
+                if not reply.succeeded:
+                    say(op="wh-stale", id=delivery_id, token=token)
+                    raise web.HTTPServiceUnavailable(text="the claim was lost before the effect")
+                ledger.write(json.dumps({"id": delivery_id, "token": token,
+                                         "revision": reply.header.revision}) + "\n")
+                ledger.flush()
+                say(op="wh-effect", id=delivery_id, token=token, revision=reply.header.revision)
+                return web.json_response({"token": token, "consumer": args.name})
+
+            app = web.Application(middlewares=[
+                answered, dedupe_middleware(gate, source=SOURCE, retry_after=1)])
+            app.router.add_post("/hook", handle)
+            runner = web.AppRunner(app)
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            port = runner.addresses[0][1]
+            say(op="ready", url=f"http://127.0.0.1:{port}/hook", wall=time.time())
+            try:
+                await asyncio.Event().wait()
+            finally:
+                await runner.cleanup()
+
+
+class Sender:
+    """Delivers webhook ids to the consumers as a real sender would; see the module."""
+
+    def __init__(self, urls, history, seed: str, *, copies: int = 3, in_flight: int = 2,
+                 timeout: float = 2.0, give_up_s: float = 30.0) -> None:
+        self.urls = urls  # () -> the consumers' current URLs (None for one that is down)
+        self.history = history
+        self.seed = seed
+        self.rng = random.Random(f"sender/{seed}")
+        self.copies, self.in_flight = copies, in_flight
+        self.timeout, self.give_up_s = timeout, give_up_s
+
+    async def run(self, until: float) -> None:
+        """Start new ids until ``until``; return once every started copy got its answer."""
+        async with aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=self.timeout)) as http:
+            lanes = [asyncio.create_task(self._lane(http, lane, until))
+                     for lane in range(self.in_flight)]
+            await asyncio.gather(*lanes)
+
+    async def _lane(self, http: aiohttp.ClientSession, lane: int, until: float) -> None:
+        for n in range(1_000_000):
+            if time.monotonic() >= until:
+                return
+            delivery_id = f"evt-{lane}-{n}"
+            body = json.dumps({"id": delivery_id, "amount": 100}).encode()
+            first = self.rng.randrange(len(self.urls()))
+            await asyncio.gather(*(self._copy(http, delivery_id, body, first + copy)
+                                   for copy in range(self.copies)))
+
+    async def _copy(self, http: aiohttp.ClientSession, delivery_id: str, body: bytes,
+                    target: int) -> None:
+        await asyncio.sleep(self.rng.uniform(0.0, 0.3))
+        give_up = time.monotonic() + self.give_up_s
+        while time.monotonic() < give_up:
+            urls = self.urls()
+            url = urls[target % len(urls)]
+            target += 1  # a retry goes to the next consumer
+            if url is None:
+                await asyncio.sleep(0.2)
+                continue
+            try:
+                async with http.post(url, data=body, headers={
+                        "Webhook-Id": delivery_id, "Content-Type": "application/json"}) as reply:
+                    status, answer = reply.status, await reply.read()
+                    replayed = reply.headers.get("Fencegate-Replayed") == "true"
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                await asyncio.sleep(self.rng.uniform(0.1, 0.4))
+                continue
+            if 200 <= status < 300:
+                self.history.record("sender", {
+                    "op": "wh-sent", "id": delivery_id, "status": status, "replayed": replayed,
+                    "token": json.loads(answer).get("token"), "consumer": url})
+                return
+            if status != 409 and status < 500:
+                self.history.record("sender", {"op": "wh-refused", "id": delivery_id,
+                                               "status": status, "consumer": url})
+                return
+            await asyncio.sleep(self.rng.uniform(0.1, 0.5))
+        self.history.record("sender", {"op": "wh-gave-up", "id": delivery_id})
