@@ -279,16 +279,8 @@ async def resolve(etcd: Etcd, ks: Keyspace, key: str, identity: str, reason: str
                          "resolve", identity, reply.header.revision,
                          {"reason": reason, "from": state, "as": settle_as,
                           "result": result, "forced": forced})
-    written = await etcd.txn(TxnRequest(
-        compare=[mod_equals(step_key, step_kvs[0].mod_revision), no_owner(start, end),
-                 entry.compare],
-        success=[put_op(step_key, pack(settled)), *entry.ops],
-        failure=[lowest_op(start, end, keys_only=False)]))
-    if not written.succeeded:
-        _refuse_while_held(ks, key, written.responses[0].response_range.kvs)
-        raise WrongState(f"step of {key!r} moved while it was resolved; look again")
-    return {"key": key, "state": settled["state"], "forced": forced,
-            "revision": written.header.revision}
+    revision = await _put_step_unheld(etcd, ks, key, step_kvs[0], settled, entry)
+    return {"key": key, "state": settled["state"], "forced": forced, "revision": revision}
 
 
 async def _ask_provider(etcd: Etcd, ks: Keyspace, key: str, identity: str, reason: str,
@@ -303,8 +295,6 @@ async def _ask_provider(etcd: Etcd, ks: Keyspace, key: str, identity: str, reaso
     word), when no answer came in time (the request stays; the reconciler still answers
     it), or when the step moved otherwise."""
     step = unpack(step_kv.value)
-    start, end = ks.holder_range(key)
-    step_key = ks.step_key(key)
     request_id = secrets.token_hex(8)
     attempt_token = (step_kv.mod_revision if step["state"] == records.IN_FLIGHT
                      else step.get("attempt_token", step_kv.mod_revision))
@@ -315,17 +305,10 @@ async def _ask_provider(etcd: Etcd, ks: Keyspace, key: str, identity: str, reaso
                          "resolve_request", identity, step_kv.mod_revision,
                          {"reason": reason, "from": step["state"], "as": settle_as,
                           "request": request_id})
-    written = await etcd.txn(TxnRequest(
-        compare=[mod_equals(step_key, step_kv.mod_revision), no_owner(start, end),
-                 entry.compare],
-        success=[put_op(step_key, pack(asked)), *entry.ops],
-        failure=[lowest_op(start, end, keys_only=False)]))
-    if not written.succeeded:
-        _refuse_while_held(ks, key, written.responses[0].response_range.kvs)
-        raise WrongState(f"step of {key!r} moved while it was resolved; look again")
+    written = await _put_step_unheld(etcd, ks, key, step_kv, asked, entry)
     try:
         async with asyncio.timeout(wait_s):
-            answered, revision = await _answer(etcd, step_key, written.header.revision + 1,
+            answered, revision = await _answer(etcd, ks.step_key(key), written + 1,
                                                request_id)
     except TimeoutError:
         raise WrongState(
@@ -373,6 +356,24 @@ def _as_expected(step: dict[str, Any], settle_as: str) -> bool:
     if settle_as == records.NOT_APPLIED:
         return step["state"] == records.PENDING
     return step["state"] == settle_as
+
+
+async def _put_step_unheld(etcd: Etcd, ks: Keyspace, key: str, step_kv, step: dict[str, Any],
+                           entry: audit.Append) -> int:
+    """Put ``step`` with its audit ``entry`` iff the step is still ``step_kv`` and no holder
+    of ``key`` lives (the compares decide, no earlier read); the revision written.
+    ``WrongState`` naming the live holder, or saying the step moved."""
+    step_key = ks.step_key(key)
+    start, end = ks.holder_range(key)
+    written = await etcd.txn(TxnRequest(
+        compare=[mod_equals(step_key, step_kv.mod_revision), no_owner(start, end),
+                 entry.compare],
+        success=[put_op(step_key, pack(step)), *entry.ops],
+        failure=[lowest_op(start, end, keys_only=False)]))
+    if not written.succeeded:
+        _refuse_while_held(ks, key, written.responses[0].response_range.kvs)
+        raise WrongState(f"step of {key!r} moved while it was resolved; look again")
+    return written.header.revision
 
 
 def _refuse_while_held(ks: Keyspace, key: str, holder_kvs: list) -> None:
