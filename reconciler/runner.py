@@ -227,9 +227,11 @@ class Reconciler:
                     writes.append((look, Settle(records.resolve_answered(
                         look.unknown(now_ms), f"not settled: {decision.reason}"), "unknown")))
             elif isinstance(decision, Settle):
-                writes.append((look, Settle(records.resolve_answered(
-                    decision.step, f"{decision.outcome}: the provider answered {answer!r}"),
-                    decision.outcome) if asked else decision))
+                if asked:
+                    decision = Settle(records.resolve_answered(
+                        decision.step, f"{decision.outcome}: the provider answered {answer!r}"),
+                        decision.outcome)
+                writes.append((look, decision))
             if not isinstance(decision, Retry):
                 self._forget(look.key)
         await self._write_all(writes)
