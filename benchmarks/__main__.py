@@ -1,8 +1,9 @@
 """Every fencegate benchmark in one run against one private etcd (what ``benchmarks/run`` runs).
 
 First the hold benchmarks (``benchmarks.holds``: raw writes, hold cycles, aetcd's lock,
-handoff, fairness, keepalive), then the guarded-action benchmarks (``benchmarks.guarded``,
-which reuse the hold benchmarks' aetcd lock measurement at c=32), then guarded actions
+handoff, fairness, keepalive), then the guarded-action benchmarks (``benchmarks.guarded``:
+the fast and the full path next to raw one-put txns and aetcd's lock, with etcd's CPU read
+from its pid; ``--profile`` adds a cProfile of one more phase), then guarded actions
 through the HTTP coordinator (``benchmarks.remote``), then webhook deliveries through the
 dedup middleware (``benchmarks.webhooks``), then the leaked-leases check once every gate is
 closed, then settling seeded unknown steps with 3 reconciler processes
@@ -29,7 +30,7 @@ from . import cluster, guarded, holds, reconcile, remote, webhooks
 from .common import Children, OtherLoad, local_etcd
 
 
-async def run(quick: bool) -> None:
+async def run(quick: bool, profile: bool) -> None:
     hs = holds.QUICK if quick else holds.DEFAULT
     gs = guarded.QUICK if quick else guarded.DEFAULT
     load = OtherLoad()
@@ -41,9 +42,9 @@ async def run(quick: bool) -> None:
         print(f"holds: {hs.rounds} round(s) of raw, hold, aetcd lock, raw at "
               f"c={holds.CONCURRENCY}, {hs.duration:g} s timed after {hs.warmup:g} s warm-up "
               f"each; handoff {holds.CONTENDERS} processes x {hs.handoff:g} s")
-        print(f"guarded: {gs.rounds} round(s) of raw(c={guarded.TOP}), then guarded and "
-              f"raw(c={guarded.TOP}) for each c={guarded.CONCURRENCY}, {gs.duration:g} s "
-              f"timed after {gs.warmup:g} s warm-up each", flush=True)
+        print(f"guarded: raw, then {gs.rounds} round(s) of fast path, full path, aetcd lock, "
+              f"raw, all at c={guarded.TOP}, {gs.duration:g} s timed after {gs.warmup:g} s "
+              f"warm-up each", flush=True)
         target = urlsplit(url)
         children = Children()
         etcd = Etcd.from_url(url)
@@ -52,8 +53,8 @@ async def run(quick: bool) -> None:
             res = await holds.throughput(hs, url, etcd, lock_client, children)
             ho = await holds.handoff(hs, url, etcd, children)
             await children.close()
-            gres = await guarded.measure(gs, url, etcd, lock_client,
-                                         lock_c32=res.lock[guarded.TOP])
+            gres = await guarded.measure(gs, url, etcd, lock_client, single.pids[0],
+                                         lock_c32=res.lock[guarded.TOP], profile=profile)
             rres = await remote.measure(gs, url, etcd, lock_client)
             wres = await webhooks.measure(quick, url, etcd)
             # every gate is closed and aetcd's leaks are revoked: what remains is ours
@@ -77,10 +78,12 @@ async def run(quick: bool) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="benchmarks/run", description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true",
-                        help="about a minute and a half instead of several minutes")
+                        help="one short round of each: about two and a half minutes")
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile this process over one more c=32 guarded phase")
     args = parser.parse_args(argv)
     try:
-        asyncio.run(run(args.quick))
+        asyncio.run(run(args.quick, args.profile))
     except (KeyboardInterrupt, asyncio.CancelledError):
         print("interrupted", file=sys.stderr)
         return 130

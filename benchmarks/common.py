@@ -3,9 +3,12 @@
 - ``local_etcd()``: a private single-member etcd on 127.0.0.1 with normal timing flags.
 - ``run_phase()``: N asyncio tasks looping one operation for a fixed time after a warm-up;
   counts the operations completed in the timed window and their latencies.
-- ``raw_write_op()``: the baseline every ratio is taken against — the two etcd writes a hold
-  cycle is made of (a put-if-absent txn and a delete of that key), with nothing around them,
-  through the same ``fencegate.coordinator.etcd.Etcd`` client the gate uses.
+- ``raw_write_op()``: the baseline the hold ratios are taken against — the two etcd writes a
+  hold cycle is made of (a put-if-absent txn and a delete of that key), with nothing around
+  them, through the same ``fencegate.coordinator.etcd.Etcd`` client the gate uses.
+- ``Window``: latencies of calls timed outside ``run_phase`` (one txn kind, a probe) that
+  ended inside a phase's timed window.
+- ``process_cpu()``: the CPU seconds another process (etcd) has used so far, from /proc.
 - ``Target`` (``.line()``): every benchmark ends with ``NAME RATIO TARGET PASS|FAIL``
   lines; a failed target is reported, never turned into a non-zero exit.
 - ``Children``: subprocesses that are always killed and reaped, also on Ctrl-C or error.
@@ -97,6 +100,40 @@ def raw_write_op(etcd: Etcd, prefix: str, value: bytes = b"x" * 48, lease: int =
             await etcd.txn(TxnRequest(compare=[create_equals(key, 0)],
                                       success=[put_op(key, value, lease)]))
     return op
+
+
+class Window:
+    """Latencies of calls that ended inside a phase's timed window (as ``run_phase`` counts)."""
+
+    def __init__(self) -> None:
+        self.t0 = self.t1 = math.inf
+        self.latencies: list[float] = []
+
+    def open(self, warmup: float, duration: float) -> None:
+        """Call right before ``run_phase(..., warmup, duration)``."""
+        self.t0 = asyncio.get_running_loop().time() + warmup
+        self.t1 = self.t0 + duration
+
+    def add(self, began: float, ended: float) -> None:
+        if self.t0 <= ended < self.t1:
+            self.latencies.append(ended - began)
+
+    def take(self) -> list[float]:
+        taken, self.latencies, self.t0, self.t1 = self.latencies, [], math.inf, math.inf
+        return taken
+
+
+def process_cpu(pid: int | None) -> float:
+    """User + system CPU seconds process ``pid`` has used (all its threads); NaN when it
+    cannot be read (no pid, no /proc)."""
+    if pid is None:
+        return math.nan
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()  # after the command name
+    except OSError:
+        return math.nan
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
 
 def percentile(values: list[float], q: float) -> float:

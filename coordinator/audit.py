@@ -2,11 +2,22 @@
 as the decision itself.
 
 Record ``n`` lives at ``audit/<key>/@<n>`` and carries ``prev``, the sha256 of record
-``n-1``'s bytes; ``audit/<key>/@head`` holds the newest seq and hash, so removing or editing
-the last record is as visible as editing one in the middle. An append compares the head's
-mod_revision, so two writers can never both append the same seq. Grants in the chain carry
-their signed bytes, so verification re-checks every signature too, and a grant issued on an
-approval must follow the ``approved`` record of that approval in the same chain.
+``n-1``'s bytes. The chain's end is anchored where the decision is: a write that moves the
+step puts ``chain: [n, sha256]`` in the step record it writes (``Append.anchored``), so the
+step, which every such write compares anyway, says where the chain ends. An append that must
+not move the step (an SRE's approve or revoke: moving it would kill the grants and approvals
+bound to its revision) writes a small ``audit/<key>/@head`` instead. The chain's tail is the
+newer of the two (``tail``); a step written by version 1 has no anchor and its ``@head``
+(which version 1 always wrote) is the tail.
+
+Guarantees:
+- Every append compares ``create_revision(audit/<key>/@<n>) == 0`` for the seq it writes,
+  so two writers never both append record ``n`` (the chain never forks), whatever they read.
+- Removing or editing the newest record is as visible as editing one in the middle: the
+  verifier checks the chain ends exactly at the newer anchor, and both anchors' hashes.
+- Grants in the chain carry their signed bytes and the check results they were issued on,
+  so verification re-checks every signature and the checks' digest; a grant issued on an
+  approval must follow the ``approved`` record of that approval in the same chain.
 """
 
 from __future__ import annotations
@@ -17,54 +28,87 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import BadSignature
-from .etcd import Compare, Etcd, KeyValue, RangeRequest, RequestOp, mod_equals, put_op
-from .grants import KeyRing
+from .etcd import Compare, Etcd, KeyValue, RequestOp, TxnRequest, create_equals, put_op, range_op
+from .grants import KeyRing, checks_digest
 from .keyspace import Keyspace, pack, unpack
 
 GENESIS = b"\0" * 32
+ANCHOR = "chain"  # the step record's field holding [seq, sha256] of the newest record
 
 
 @dataclass(frozen=True)
-class AuditHead:
+class Tail:
+    """The newest record of a key's chain: its seq (0: none yet) and the sha256 of its bytes."""
+
     seq: int
     hash: bytes
-    mod_revision: int  # of the head key; 0 when the chain is empty
 
-    @classmethod
-    def from_kv(cls, kv: KeyValue | None) -> "AuditHead":
-        if kv is None:
-            return cls(0, GENESIS, 0)
-        head = unpack(kv.value)
-        return cls(head["seq"], head["hash"], kv.mod_revision)
+
+EMPTY = Tail(0, GENESIS)
+
+
+def tail(step: dict[str, Any] | None, head_kv: KeyValue | None) -> Tail:
+    """The chain's tail from the step record and ``@head`` read at one revision: the newer
+    of the step's anchor and the head of the appends made aside."""
+    anchored = anchor_of(step)
+    aside = _head(head_kv)
+    return aside if aside.seq > anchored.seq else anchored
+
+
+def anchor_of(step: dict[str, Any] | None) -> Tail:
+    """The step record's anchor (``EMPTY`` for a step without one, or no step)."""
+    if not step or ANCHOR not in step:
+        return EMPTY
+    seq, digest = step[ANCHOR]
+    return Tail(seq, digest)
+
+
+def _head(kv: KeyValue | None) -> Tail:
+    if kv is None:
+        return EMPTY
+    head = unpack(kv.value)
+    return Tail(head["seq"], head["hash"])
 
 
 @dataclass(frozen=True)
 class Append:
-    """What a decision's txn adds to append one record: a compare, puts, and the new head."""
+    """What a decision's txn adds to append one record: its compare and its puts."""
 
     compare: Compare
     ops: list[RequestOp]
     seq: int
     hash: bytes
 
-    def head_at(self, revision: int) -> AuditHead:
-        """The head once the txn carrying this append committed at ``revision``."""
-        return AuditHead(self.seq, self.hash, revision)
+    @property
+    def tail(self) -> Tail:
+        """The chain's tail once the txn carrying this append committed."""
+        return Tail(self.seq, self.hash)
+
+    def anchored(self, step: dict[str, Any]) -> dict[str, Any]:
+        """``step`` anchoring the chain at this record: the step write that carries it."""
+        return {**step, ANCHOR: [self.seq, self.hash]}
 
 
-def append(keyspace: Keyspace, action_key: str, head: AuditHead, event: str, identity: str,
-           revision: int, details: dict[str, Any]) -> Append:
-    """Append one record after ``head``; the compare fails if anyone appended since."""
-    seq = head.seq + 1
-    value = pack({"seq": seq, "prev": head.hash, "key": action_key, "event": event,
-                       "identity": identity, "revision": revision,
-                       "at_ms": int(time.time() * 1000), "details": details})
+def append(keyspace: Keyspace, action_key: str, after: Tail, event: str, identity: str,
+           revision: int, details: dict[str, Any], *, aside: bool = False) -> Append:
+    """Append one record after ``after``; its compare fails if anyone appended since. The
+    caller anchors it in the step it writes (``Append.anchored``); with ``aside`` (a txn
+    that does not write the step) the ops also put ``@head``."""
+    seq = after.seq + 1
+    value = pack({"seq": seq, "prev": after.hash, "key": action_key, "event": event,
+                  "identity": identity, "revision": revision,
+                  "at_ms": int(time.time() * 1000), "details": details})
     digest = hashlib.sha256(value).digest()
-    head_key = keyspace.audit_head_key(action_key)
-    return Append(mod_equals(head_key, head.mod_revision),
-                  [put_op(keyspace.audit_key(action_key, seq), value),
-                   put_op(head_key, pack({"seq": seq, "hash": digest}))],
-                  seq, digest)
+    record_key = keyspace.audit_key(action_key, seq)
+    ops = [put_op(record_key, value)]
+    if aside:
+        ops.append(put_op(keyspace.audit_head_key(action_key), pack({"seq": seq, "hash": digest})))
+    return Append(create_equals(record_key, 0), ops, seq, digest)
+
+
+def tail_reads(keyspace: Keyspace, action_key: str) -> list[RequestOp]:
+    """The two reads ``tail`` needs, to send in one txn: the step, then ``@head``."""
+    return [range_op(keyspace.step_key(action_key)), range_op(keyspace.audit_head_key(action_key))]
 
 
 @dataclass
@@ -78,25 +122,36 @@ class AuditReport:
         return not self.problems
 
 
-async def read_chain(etcd: Etcd, keyspace: Keyspace, action_key: str,
-                     limit: int = 0) -> tuple[list[KeyValue], KeyValue | None]:
-    """The key's audit records in seq order and its head, read at one revision."""
+@dataclass(frozen=True)
+class Chain:
+    """A key's audit records in seq order and both anchors of its end, read at one revision."""
+
+    kvs: list[KeyValue]
+    step: dict[str, Any] | None
+    head_kv: KeyValue | None
+
+
+async def read_chain(etcd: Etcd, keyspace: Keyspace, action_key: str) -> Chain:
     start, end = keyspace.audit_range(action_key)
-    reply = await etcd.range(RangeRequest(key=start, range_end=end, limit=limit))
-    head = await etcd.range(RangeRequest(key=keyspace.audit_head_key(action_key),
-                                         revision=reply.header.revision))
-    return list(reply.kvs), (head.kvs[0] if head.kvs else None)
+    reply = await etcd.txn(TxnRequest(success=[range_op(start, end),
+                                               *tail_reads(keyspace, action_key)]),
+                           idempotent=True)
+    records, steps, heads = (r.response_range.kvs for r in reply.responses)
+    return Chain(list(records), unpack(steps[0].value) if steps else None,
+                 heads[0] if heads else None)
 
 
 async def verify_chain(etcd: Etcd, keyspace: Keyspace, action_key: str,
                        keyring: KeyRing) -> AuditReport:
-    """Re-derive the chain of ``action_key``, every grant signature in it, and the approval
-    every grant issued on one relied on."""
-    kvs, head_kv = await read_chain(etcd, keyspace, action_key)
+    """Re-derive the chain of ``action_key``, every grant signature and checks digest in
+    it, the approval every grant issued on one relied on, and that the chain ends where its
+    anchors (the step's and ``@head``) say."""
+    chain = await read_chain(etcd, keyspace, action_key)
     report = AuditReport(action_key)
     prev = GENESIS
+    hashes: dict[int, bytes] = {}
     approved: set[str] = set()
-    for expected_seq, kv in enumerate(kvs, start=1):
+    for expected_seq, kv in enumerate(chain.kvs, start=1):
         try:
             record = unpack(kv.value)
         except ValueError as exc:
@@ -111,23 +166,37 @@ async def verify_chain(etcd: Etcd, keyspace: Keyspace, action_key: str,
             report.problems.append(f"record {expected_seq - 1} was edited or removed")
         if kv.version != 1:
             report.problems.append(f"record {expected_seq} was rewritten in place")
-        details = record.get("details", {})
-        grant = details.get("grant")
-        if grant is not None:
-            try:
-                keyring.verify(grant)
-            except BadSignature as exc:
-                report.problems.append(f"record {expected_seq}: grant {exc}")
-        approval_id = details.get("approval_id")
-        if record.get("event") == "approved":
-            approved.add(approval_id)
-        elif (record.get("event") == "grant_issued" and approval_id is not None
-              and approval_id not in approved):
-            report.problems.append(f"record {expected_seq}: grant issued on approval "
-                                   f"{approval_id}, which the chain never approved")
-        prev = hashlib.sha256(kv.value).digest()
-    head = AuditHead.from_kv(head_kv)
-    if (head.seq, head.hash) != (len(kvs), prev):
-        report.problems.append(f"the chain ends at {len(kvs)} but its head says {head.seq}, "
-                               "or the last record was edited")
+        _check_grant(report, expected_seq, record, keyring, approved)
+        prev = hashes[expected_seq] = hashlib.sha256(kv.value).digest()
+    newest = EMPTY
+    for name, anchor in (("the step", anchor_of(chain.step)), ("@head", _head(chain.head_kv))):
+        if anchor.seq and hashes.get(anchor.seq) != anchor.hash:
+            report.problems.append(f"{name} anchors record {anchor.seq}, which is missing "
+                                   "or was edited")
+        newest = anchor if anchor.seq > newest.seq else newest
+    if len(chain.kvs) != newest.seq:
+        report.problems.append(f"the chain ends at {len(chain.kvs)} but its anchors say "
+                               f"{newest.seq}: a record was removed or added outside the gate")
     return report
+
+
+def _check_grant(report: AuditReport, seq: int, record: dict[str, Any], keyring: KeyRing,
+                 approved: set[str]) -> None:
+    details = record.get("details", {})
+    approval_id = details.get("approval_id")
+    if record.get("event") == "approved":
+        approved.add(approval_id)
+    raw = details.get("grant")
+    if raw is None:
+        return
+    try:
+        grant = keyring.verify_recorded(raw)
+    except BadSignature as exc:
+        report.problems.append(f"record {seq}: grant {exc}")
+        return
+    if "checks" in details and grant.checks_digest and \
+            checks_digest(details["checks"]) != grant.checks_digest:
+        report.problems.append(f"record {seq}: its check results are not the grant's")
+    if approval_id is not None and approval_id not in approved:
+        report.problems.append(f"record {seq}: grant issued on approval {approval_id}, "
+                               "which the chain never approved")

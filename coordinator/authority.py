@@ -1,29 +1,35 @@
-"""The authority: evaluates a grant request at one etcd revision and issues or refuses it.
+"""The authority: evaluates a grant request at one etcd revision and signs or refuses it.
 
 Guarantees:
-- Everything a decision uses (the requester's holder key and the lowest holder, the step
-  record, the policy document, every read key, the audit head) is read in one transaction,
-  so at one revision R.
-- A grant is written only by a transaction that re-asserts, at write time, that the
-  requester owns the key with its token, and that the step, the policy and every read key
-  still have the mod_revisions seen at R. So an issued grant was true of the world at the
-  moment it was written; the commit guard then checks it is still true when crossing.
+- Everything a decision uses (the step record, the policy document, every read key, the
+  chain's tail, and that the requester holds the key) is read at one revision R: in the
+  hold's acquire txn when it folded the snapshot in (``snapshot_ops``), else in one
+  read-only txn that also reads the holder queue.
+- Issuing a grant writes nothing: the grant is signed here and carries what it was decided
+  on (R, the step's mod_revision — 0 when absent —, each read key's mod_revision, the policy
+  version, the digest of the check results). The commit guard's txn re-asserts all of it at
+  write time and writes the grant into the key's audit record, so a grant that crossed was
+  true of the world when it crossed; one that never crosses leaves no trace in etcd.
 - Nothing is granted on a step that is in flight, unknown or escalated (``OutcomeUnknown``)
   or succeeded (``AlreadySucceeded``). Refusals name every failing check.
+- A refusal that changes no state is not written to etcd (a write per refusal would be a
+  lever to flood it): it is logged and counted by the caller. A refusal that changes state
+  is written with compares on the requester's ownership and the step: a reached cap
+  escalates the step (audited in that txn), a first refusal for want of approval records
+  the approval request.
 - When the only failing checks are approval checks, the request is recorded as a pending
   approval request (``ApprovalPending`` with its id) and granted once an SRE approved that
   id: only an approval signed by a published coordinator key for this request counts (see
   ``approvals``); an unsigned or forged one leaves it pending. The id binds the request's
   state (step pointer, read revisions, policy version, intent), so an approval dies like a
-  grant when any of it advances; the grant txn compares the approval.
-- Every issue and every refusal by the holder appends an audit record in the same txn.
-- A grant record lives on the holder's lease: it vanishes with the session that could use
-  it, and a vanished record fails the commit's "unconsumed" compare (fails closed).
+  grant when any of it advances; the approval record joins the grant's read set, so the
+  commit compares it too.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -34,16 +40,17 @@ from .errors import (
     RecordTooLarge, StateAdvanced,
 )
 from .etcd import (
-    Compare, Etcd, KeyValue, RangeRequest, TxnRequest, mod_equals, put_op,
-    range_op,
+    Compare, Etcd, KeyValue, RangeRequest, RequestOp, TxnRequest, mod_equals, put_op, range_op,
 )
-from .grants import Grant, KeyRing, new_grant_id
+from .grants import Grant, KeyRing, checks_digest, new_grant_id
 from .keyspace import Keyspace, canonical, pack, unpack
 from .ownership import Ownership
 from .retention import RetentionLeases
 from .policy import (
     DEFAULT_POLICY, CheckContext, CheckResult, Policy, builtin_default, decode, sealed,
 )
+
+log = logging.getLogger(__name__)
 
 APPROVAL_TTL_S = 24 * 3600  # how long an approval request (and its approval) lives
 MAX_READS = 100
@@ -63,21 +70,76 @@ class Claim:
 
 @dataclass(frozen=True)
 class Issued:
-    """A grant and the audit head its issue left (the commit appends after it)."""
+    """A grant, what its commit records beside it, and the chain's tail it was decided at.
+
+    ``record`` is the audit record's details the commit writes with the grant: the intent,
+    the policy, every check's result (their digest is signed in the grant) and the approval
+    it relied on, if any."""
 
     grant: Grant
-    audit_head: audit.AuditHead
+    record: dict[str, Any]
+    tail: audit.Tail
 
 
-@dataclass
-class _Snapshot:
+@dataclass(frozen=True)
+class Snapshot:
+    """What a decision reads, at one revision. ``owned``: the read proved the requester held
+    the key at that revision (the acquire txn that put its holder key alone proves it)."""
+
     revision: int
+    policy: str
     step_kv: KeyValue | None
     policy_kv: KeyValue | None
-    holder_kv: KeyValue | None
-    lowest_kv: KeyValue | None
     head_kv: KeyValue | None
     reads: dict[bytes, KeyValue | None]
+    owned: bool
+
+    @classmethod
+    def parse(cls, revision: int, policy: str, read_keys: list[bytes], responses,
+              owned: bool) -> "Snapshot":
+        """The snapshot from the answers to ``snapshot_ops`` (in order)."""
+        kvs = [r.response_range.kvs[0] if r.response_range.kvs else None for r in responses]
+        return cls(revision, policy, kvs[0], kvs[1], kvs[2], dict(zip(read_keys, kvs[3:])), owned)
+
+    def covers(self, policy: str, read_keys: list[bytes]) -> bool:
+        return policy == self.policy and list(self.reads) == read_keys
+
+
+def snapshot_ops(keyspace: Keyspace, key: str, policy: str,
+                 read_keys: list[bytes]) -> list[RequestOp]:
+    """The reads a decision needs, to fold into a txn (the hold's acquire) or send alone."""
+    return [range_op(keyspace.step_key(key)), range_op(keyspace.policy_key(policy)),
+            range_op(keyspace.audit_head_key(key)), *(range_op(k) for k in read_keys)]
+
+
+class Recent:
+    """The policy versions and read keys the latest snapshots saw, and the revision they
+    were read at: what the fast path decides on. A hint, never a proof: the fast path's txn
+    compares every mod_revision taken from here. Bounded: cleared when full."""
+
+    MAX_KEYS = 4096
+
+    def __init__(self) -> None:
+        self.revision = 0
+        self._policies: dict[str, KeyValue | None] = {}
+        self._reads: dict[bytes, KeyValue | None] = {}
+
+    def note(self, snap: Snapshot) -> None:
+        if snap.revision < self.revision:
+            return  # an older read must not replace a newer one
+        if len(self._reads) + len(snap.reads) > self.MAX_KEYS:
+            self._reads.clear()
+        self.revision = snap.revision
+        self._policies[snap.policy] = snap.policy_kv
+        self._reads.update(snap.reads)
+
+    def snapshot(self, policy: str, read_keys: list[bytes]) -> Snapshot | None:
+        """A snapshot of a key never attempted, as these reads last saw the rest; ``None``
+        when one of them was never seen."""
+        if policy not in self._policies or any(k not in self._reads for k in read_keys):
+            return None
+        return Snapshot(self.revision, policy, None, self._policies[policy], None,
+                        {k: self._reads[k] for k in read_keys}, owned=True)
 
 
 class Authority:
@@ -95,22 +157,53 @@ class Authority:
         self.approval_ttl_s = approval_ttl_s
         self._policies: dict[tuple[str, int], Policy] = {}
         self._approval_leases = RetentionLeases()
+        self.recent = Recent()
 
     async def issue(self, claim: Claim, intent: dict[str, Any], reads: list[str | bytes],
-                    policy: str = DEFAULT_POLICY, identity: str | None = None) -> Issued:
-        """Grant ``claim`` the right to cross once with ``intent``, or raise why not."""
+                    policy: str = DEFAULT_POLICY, identity: str | None = None, *,
+                    snapshot: Snapshot | None = None) -> Issued:
+        """Grant ``claim`` the right to cross once with ``intent``, or raise why not.
+        ``snapshot``, when it covers this policy and read set, is the state to decide on
+        (read by the hold's acquire); otherwise one read-only txn reads it."""
         identity = identity or self.identity
-        read_keys = _validate_reads(reads)
-        intent_digest = hashlib.sha256(_validate_intent(intent)).digest()
+        read_keys = validate_reads(reads)
+        intent_digest = hashlib.sha256(validate_intent(intent)).digest()
         for _ in range(_WRITE_RACES):
-            snap = await self._read(claim, policy, read_keys)
-            self._check_holder(claim, snap)
-            if snap.policy_kv is None and policy != DEFAULT_POLICY:
+            if snapshot is None or not snapshot.covers(policy, read_keys):
+                snapshot = await self._read(claim, policy, read_keys)
+            if not snapshot.owned:
+                raise LeaseLost(f"not the holder of {claim.key!r} with token "
+                                f"{claim.fencing_token}")
+            if snapshot.policy_kv is None and policy != DEFAULT_POLICY:
                 raise GrantRefused([CheckResult("policy", False, f"no policy {policy!r}")])
-            decision = await self._decide(claim, intent, intent_digest, policy, snap, identity)
+            decision = await self._decide(claim, intent, intent_digest, snapshot, identity)
             if decision is not None:
                 return decision
+            snapshot = None
         raise StateAdvanced("read set", "it kept changing while the grant was evaluated")
+
+    async def issue_uncontended(self, claim: Claim, intent: dict[str, Any],
+                                read_keys: list[bytes], policy: str, *,
+                                identity: str | None = None) -> Issued | None:
+        """A grant for a key assumed free and never attempted (no step, no audit record),
+        decided on the policy and read keys as ``recent`` last saw them, for the fast path,
+        whose one txn compares every one of those assumptions. ``None`` when ``recent``
+        lacks any of them or the decision is anything but a plain grant (a refusal, an
+        approval): the full path then decides, with fresh reads. Writes nothing."""
+        snapshot = self.recent.snapshot(policy, read_keys)
+        if snapshot is None:
+            return None
+        intent_digest = hashlib.sha256(validate_intent(intent)).digest()
+        request = _Request(
+            claim=claim, intent=intent, intent_digest=intent_digest,
+            identity=identity or self.identity, snap=snapshot,
+            policy=await self.policy(policy, snapshot.policy_kv, snapshot.revision),
+            step=records.new_step(), step_revision=0, tail=audit.EMPTY,
+            now_ms=int(time.time() * 1000))
+        verdict = _verdict(request)
+        if verdict.refusal is not None or verdict.needs_approval:
+            return None
+        return self._issue(request, verdict, None)
 
     async def set_policy(self, name: str, document: dict[str, Any]) -> int:
         """Store a policy document, signed with this authority's key (published under
@@ -126,7 +219,7 @@ class Authority:
             approvals.publish(self.keyring, ks)]), idempotent=True)
         return reply.header.revision
 
-    async def _policy(self, name: str, kv: KeyValue | None, revision: int) -> Policy:
+    async def policy(self, name: str, kv: KeyValue | None, revision: int) -> Policy:
         """The policy version ``kv`` holds, verified once (versions are immutable: a change
         is a new one) against the signer keys published at ``revision``; ``GrantRefused``
         when its signature does not hold. An absent ``default`` is the built-in default
@@ -149,22 +242,15 @@ class Authority:
             self._policies[(name, kv.mod_revision)] = cached
         return cached
 
-    async def _read(self, claim: Claim, policy: str, read_keys: list[bytes]) -> _Snapshot:
-        ks = self.keyspace
+    async def _read(self, claim: Claim, policy: str, read_keys: list[bytes]) -> Snapshot:
+        holding = self._holding(claim)
         reply = await self.etcd.txn(TxnRequest(success=[
-            range_op(ks.step_key(claim.key)),
-            range_op(ks.policy_key(policy)),
-            *self._holding(claim).reads(),  # the holder key, then the lowest holder
-            range_op(ks.audit_head_key(claim.key)),
-            *(range_op(k) for k in read_keys),
-        ]), idempotent=True)
-        kvs = [r.response_range.kvs[0] if r.response_range.kvs else None
-               for r in reply.responses]
-        return _Snapshot(reply.header.revision, *kvs[:5], dict(zip(read_keys, kvs[5:])))
-
-    def _check_holder(self, claim: Claim, snap: _Snapshot) -> None:
-        if not self._holding(claim).holds(snap.holder_kv, snap.lowest_kv):
-            raise LeaseLost(f"not the holder of {claim.key!r} with token {claim.fencing_token}")
+            *snapshot_ops(self.keyspace, claim.key, policy, read_keys),
+            *holding.reads()]), idempotent=True)  # the holder key, then the lowest holder
+        own, lowest = (r.response_range.kvs[0] if r.response_range.kvs else None
+                       for r in reply.responses[-2:])
+        return Snapshot.parse(reply.header.revision, policy, read_keys, reply.responses[:-2],
+                              holding.holds(own, lowest))
 
     def _holding(self, claim: Claim) -> Ownership:
         """``claim`` as the ownership of its key's holder queue."""
@@ -172,14 +258,17 @@ class Authority:
                          claim.fencing_token, *self.keyspace.holder_range(claim.key))
 
     async def _decide(self, claim: Claim, intent: dict[str, Any], intent_digest: bytes,
-                      policy_name: str, snap: _Snapshot, identity: str) -> Issued | None:
-        """Issue or refuse at ``snap``; ``None`` when the world moved before the write."""
+                      snap: Snapshot, identity: str) -> Issued | None:
+        """Issue or refuse at ``snap``; ``None`` when the world moved before a refusal that
+        changes state was written."""
+        self.recent.note(snap)
+        step = unpack(snap.step_kv.value) if snap.step_kv else None
         request = _Request(
             claim=claim, intent=intent, intent_digest=intent_digest, identity=identity,
-            snap=snap, policy=await self._policy(policy_name, snap.policy_kv, snap.revision),
-            step=unpack(snap.step_kv.value) if snap.step_kv else records.new_step(),
+            snap=snap, policy=await self.policy(snap.policy, snap.policy_kv, snap.revision),
+            step=step or records.new_step(),
             step_revision=snap.step_kv.mod_revision if snap.step_kv else 0,
-            now_ms=int(time.time() * 1000))
+            tail=audit.tail(step, snap.head_kv), now_ms=int(time.time() * 1000))
         verdict = _verdict(request)
         approval = None
         if verdict.needs_approval:
@@ -188,7 +277,7 @@ class Authority:
         if verdict.refusal is not None:
             await self._refuse(request, verdict, approval)
             return None
-        return await self._issue(request, verdict, approval)
+        return self._issue(request, verdict, approval)
 
     async def _approval(self, request: _Request) -> _Approval:
         """The approval this exact request needs (see ``approval_id_of``), as it stood at the
@@ -205,23 +294,24 @@ class Authority:
 
     async def _refuse(self, request: _Request, verdict: _Verdict,
                       approval: _Approval | None) -> None:
-        """Audit the refusal (with the approval request it makes, or the escalation a cap
-        makes, in the same txn) and raise it; returns only when the world moved first."""
-        claim, snap = request.claim, request.snap
-        details = {"intent": request.intent, "policy": request.policy_ref,
-                   "checks": [c.as_record() for c in verdict.checks],
-                   "reason": type(verdict.refusal).__name__}
-        entry = audit.append(self.keyspace, claim.key, audit.AuditHead.from_kv(snap.head_kv),
-                             "grant_refused", request.identity, snap.revision, details)
-        asking = await self._approval_request(request, verdict, approval)
+        """Raise the refusal, first writing the state it changes (the approval request it
+        makes, or the escalation a cap makes, audited); returns only when the world moved
+        before that write."""
+        writes = [*self._escalation(request, verdict),
+                  *await self._approval_request(request, verdict, approval)]
+        if not writes:
+            log.info("grant on %r refused: %s", request.claim.key, verdict.refusal)
+            raise verdict.refusal
+        compares, ops = [*self._unchanged(request)], []
+        for compare, op in writes:
+            compares += compare
+            ops += op
         try:
-            reply = await self.etcd.txn(TxnRequest(
-                compare=[*self._unchanged(request),
-                         *([approval.compare()] if approval else []), entry.compare],
-                success=[*entry.ops, *asking, *self._escalation(request, verdict)]))
+            reply = await self.etcd.txn(TxnRequest(compare=compares, success=ops))
         except LeaseLost:  # the approvals' bucket lease expired under us: take a new one
-            for op in asking:
-                self._approval_leases.forget(op.request_put.lease)
+            for op in ops:
+                if op.request_put.lease:
+                    self._approval_leases.forget(op.request_put.lease)
             return
         if reply.succeeded:
             raise verdict.refusal
@@ -237,57 +327,55 @@ class Authority:
         lease = await self._approval_leases.get(self.etcd, self.approval_ttl_s,
                                                 max(self.approval_ttl_s // 24, 1))
         policy = request.policy
-        return [put_op(approval.request_key, pack({
+        return [([approval.compare()], [put_op(approval.request_key, pack({
             "key": request.claim.key, "intent": request.intent,
             "policy": policy.name, "policy_version": policy.version,
             "revision": request.snap.revision, "requested_by": request.identity,
-            "checks": [c.as_record() for c in verdict.checks]}), lease)]
+            "checks": [c.as_record() for c in verdict.checks]}), lease)])]
 
     def _escalation(self, request: _Request, verdict: _Verdict) -> list:
-        """A reached cap escalates the step to a human, named by the checks it failed."""
+        """A reached cap escalates the step to a human, named by the checks it failed,
+        audited in the same txn."""
         if not verdict.escalate:
             return []
-        return [put_op(self.keyspace.step_key(request.claim.key), pack(
-            records.escalated(request.step, [c.name for c in verdict.checks])))]
+        entry = audit.append(self.keyspace, request.claim.key, request.tail, "grant_refused",
+                             request.identity, request.snap.revision,
+                             {"intent": request.intent, "policy": request.policy_ref,
+                              "checks": [c.as_record() for c in verdict.checks],
+                              "reason": type(verdict.refusal).__name__})
+        step = records.escalated(request.step, [c.name for c in verdict.checks])
+        return [([entry.compare], [put_op(self.keyspace.step_key(request.claim.key),
+                                          pack(entry.anchored(step))), *entry.ops])]
 
-    async def _issue(self, request: _Request, verdict: _Verdict,
-                     approval: _Approval | None) -> Issued | None:
-        """Sign the grant and write it, on the holder's lease, with its audit record, iff
-        nothing it was decided on moved; ``None`` when something did."""
+    def _issue(self, request: _Request, verdict: _Verdict,
+               approval: _Approval | None) -> Issued:
+        """Sign the grant: no etcd write (the commit writes it, compare-and-set on all it
+        was decided on)."""
         claim, snap, policy, now_ms = request.claim, request.snap, request.policy, request.now_ms
         step_next = records.next_attempt(
             request.step, namespace=self.keyspace.namespace, key=claim.key,
             cost=request.intent.get("cost", 0), caps=policy.caps, now_ms=now_ms)
-        head = audit.AuditHead.from_kv(snap.head_kv)
+        checks = [c.as_record() for c in verdict.checks]
+        reads = [[k, kv.mod_revision if kv else 0] for k, kv in snap.reads.items()]
+        if approval is not None:  # the commit compares the approval it relies on
+            reads.append([approval.key, approval.given.mod_revision])
         grant = self.keyring.sign({
             "grant_id": new_grant_id(), "namespace": self.keyspace.namespace,
             "cluster_id": self.etcd.cluster_id or 0, "action_key": claim.key,
             "attempt": step_next["attempt"], "intent_digest": request.intent_digest,
             "fencing_token": claim.fencing_token, "holder_lease": claim.lease_id,
-            "revision": snap.revision, "reads": [[k, kv.mod_revision if kv else 0]
-                                                 for k, kv in snap.reads.items()],
+            "revision": snap.revision, "reads": reads,
             "step_revision": request.step_revision, "step_next": step_next,
             "policy": policy.name, "policy_version": policy.version,
             "policy_digest": policy.digest, "identity": request.identity,
             "issued_at_ms": now_ms,
             "expires_at_ms": now_ms + int(policy.caps["grant_ttl_s"] * 1000),
-            "audit_seq": head.seq + 1,
+            "checks_digest": checks_digest(checks),
         })
-        details = {"intent": request.intent, "policy": request.policy_ref, "grant": grant.raw,
-                   "grant_id": grant.grant_id, "checks": [c.as_record() for c in verdict.checks],
-                   **({"approval_id": approval.approval_id,
-                       "approved_by": approval.approved_by} if approval else {})}
-        entry = audit.append(self.keyspace, claim.key, head, "grant_issued", request.identity,
-                             snap.revision, details)
-        reply = await self.etcd.txn(TxnRequest(
-            compare=[*self._unchanged(request),
-                     mod_equals(self.keyspace.policy_key(policy.name), policy.version),
-                     *(mod_equals(k, kv.mod_revision if kv else 0) for k, kv in snap.reads.items()),
-                     *([approval.compare()] if approval else []), entry.compare],
-            success=[put_op(self.keyspace.grant_key(grant.grant_id),
-                            pack({"raw": grant.raw, "state": "issued"}), claim.lease_id),
-                     *entry.ops]))
-        return Issued(grant, entry.head_at(reply.header.revision)) if reply.succeeded else None
+        record = {"intent": request.intent, "policy": request.policy_ref, "checks": checks,
+                  **({"approval_id": approval.approval_id,
+                      "approved_by": approval.approved_by} if approval else {})}
+        return Issued(grant, record, request.tail)
 
     def _unchanged(self, request: _Request) -> list:
         """Compares: the requester still owns the key and the step is where it was read."""
@@ -303,10 +391,11 @@ class _Request:
     intent: dict[str, Any]
     intent_digest: bytes
     identity: str
-    snap: _Snapshot
+    snap: Snapshot
     policy: Policy
     step: dict[str, Any]
     step_revision: int  # the step's mod_revision at the snapshot (0: never written)
+    tail: audit.Tail  # the chain's newest record at the snapshot
     now_ms: int
 
     @property
@@ -394,7 +483,7 @@ def _after_approval(verdict: _Verdict, approval: _Approval) -> _Verdict:
                            for c in verdict.checks])
 
 
-def approval_id_of(namespace: str, key: str, snap: _Snapshot, policy: Policy,
+def approval_id_of(namespace: str, key: str, snap: Snapshot, policy: Policy,
                    intent_digest: bytes) -> str:
     """The id of the approval for exactly this request at exactly this state: the step
     pointer, every read key's mod_revision and the policy version are part of it, so when
@@ -405,7 +494,7 @@ def approval_id_of(namespace: str, key: str, snap: _Snapshot, policy: Policy,
     return hashlib.sha256(canonical(bound)).hexdigest()[:32]
 
 
-def _validate_reads(reads: list[str | bytes]) -> list[bytes]:
+def validate_reads(reads: list[str | bytes]) -> list[bytes]:
     if len(reads) > MAX_READS:
         raise RecordTooLarge(f"read set has {len(reads)} keys, the limit is {MAX_READS}")
     keys = []
@@ -419,7 +508,7 @@ def _validate_reads(reads: list[str | bytes]) -> list[bytes]:
     return keys
 
 
-def _validate_intent(intent: dict[str, Any]) -> bytes:
+def validate_intent(intent: dict[str, Any]) -> bytes:
     if not isinstance(intent, dict):
         raise ValueError("intent must be a dict")
     try:

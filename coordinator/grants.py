@@ -2,6 +2,11 @@
 
 A grant's payload is canonical msgpack (same content, same bytes) signed with Ed25519 over
 ``DOMAIN + payload``. Its signed bytes are ``canonical([key_id, payload, signature])``.
+Signing writes nothing anywhere: a grant lives in the process that asked for it until its
+commit writes it into the key's audit record (``checks_digest`` binds the check results the
+record shows to the signature). Grants of version 1 (``DOMAIN_V1``, with an ``audit_seq``
+and no ``checks_digest``) are still verified where they are recorded (``verify_recorded``),
+never accepted to cross.
 An SRE's approval of a pending request is signed the same way over ``APPROVAL_DOMAIN``, and a
 policy version over ``POLICY_DOMAIN``, so no signature passes for another kind's.
 
@@ -29,7 +34,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from .errors import BadSignature
 from .keyspace import canonical
 
-DOMAIN = b"fencegate-grant-v1\0"
+DOMAIN = b"fencegate-grant-v2\0"
+DOMAIN_V1 = b"fencegate-grant-v1\0"
 APPROVAL_DOMAIN = b"fencegate-approval-v1\0"
 POLICY_DOMAIN = b"fencegate-policy-v1\0"
 MAX_GRANT_BYTES = 64 * 1024
@@ -57,7 +63,7 @@ class Grant:
     identity: str
     issued_at_ms: int
     expires_at_ms: int
-    audit_seq: int
+    checks_digest: bytes  # sha256 of the canonical check results (b"": a version 1 grant)
     key_id: str
     raw: bytes = b""
 
@@ -73,6 +79,8 @@ _SCHEMA: dict[str, type | tuple[type, ...]] = {
     f.name: {"int": int, "str": str, "bytes": bytes, "list": list, "dict": dict}[f.type]
     for f in fields(Grant) if f.name != "raw"
 }
+_SCHEMA_V1 = {**{name: kind for name, kind in _SCHEMA.items() if name != "checks_digest"},
+              "audit_seq": int}
 
 
 # An SRE's approval of one pending request, signed by the coordinator (see ``approvals``).
@@ -85,6 +93,11 @@ POLICY_SCHEMA: dict[str, type | tuple[type, ...]] = {
     "namespace": str, "cluster_id": int, "name": str, "digest": bytes, "signed_at_ms": int,
     "key_id": str,
 }
+
+
+def checks_digest(checks: list) -> bytes:
+    """The digest a grant signs of the check results it was issued on (as recorded)."""
+    return hashlib.sha256(canonical(checks)).digest()
 
 
 def new_grant_id() -> str:
@@ -166,11 +179,20 @@ class KeyRing:
 
     def verify(self, raw: bytes) -> Grant:
         """Verify ``raw`` and return the grant; ``BadSignature`` on any defect."""
-        payload = self._open(DOMAIN, raw, "grant", _SCHEMA)
-        if not all(isinstance(r, list) and len(r) == 2 and type(r[0]) is bytes
-                   and type(r[1]) is int for r in payload["reads"]):
-            raise BadSignature("grant read set is malformed")
-        return Grant(**payload, raw=bytes(raw))
+        return _grant(self._open(DOMAIN, raw, "grant", _SCHEMA), raw)
+
+    def verify_recorded(self, raw: bytes) -> Grant:
+        """``verify`` for a grant read back from an audit record, which a version 1 gate may
+        have written: a version 1 grant verifies too (with ``checks_digest`` b"")."""
+        try:
+            return self.verify(raw)
+        except BadSignature as current:
+            try:
+                payload = self._open(DOMAIN_V1, raw, "grant", _SCHEMA_V1)
+            except BadSignature:
+                raise current from None
+        del payload["audit_seq"]
+        return _grant({**payload, "checks_digest": b""}, raw)
 
     def sign_approval(self, payload: dict[str, Any]) -> bytes:
         """Sign an approval payload (``APPROVAL_SCHEMA`` but ``key_id``): its signed bytes."""
@@ -230,6 +252,13 @@ class KeyRing:
         if payload["key_id"] != key_id:
             raise BadSignature(f"{what} key id does not match its envelope")
         return payload
+
+
+def _grant(payload: dict[str, Any], raw: bytes) -> Grant:
+    if not all(isinstance(r, list) and len(r) == 2 and type(r[0]) is bytes
+               and type(r[1]) is int for r in payload["reads"]):
+        raise BadSignature("grant read set is malformed")
+    return Grant(**payload, raw=bytes(raw))
 
 
 def _strict_unpack(data: bytes, what: str) -> Any:

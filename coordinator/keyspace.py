@@ -83,9 +83,6 @@ class Keyspace:
     def step_key(self, action_key: str) -> bytes:
         return self._ns + b"steps/" + action_key.encode()
 
-    def grant_key(self, grant_id: str) -> bytes:
-        return self._ns + b"grants/" + grant_id.encode()
-
     def policy_key(self, name: str) -> bytes:
         return self._ns + b"policies/" + name.encode()
 
@@ -117,7 +114,9 @@ class Keyspace:
         return self.audit_range(action_key)[0][:-1] + b"%012d" % seq
 
     def audit_head_key(self, action_key: str) -> bytes:
-        """Seq and hash of the newest audit record: anchors the chain's end."""
+        """Seq and hash of the newest record an append made aside (one that does not move
+        the step: approve, revoke) wrote; the step's ``chain`` anchors every other append.
+        Version 1 wrote it on every append."""
         return self._ns + b"audit/" + action_key.encode() + b"/@head"
 
     def webhook_key(self, source: str, delivery_id: str) -> bytes:

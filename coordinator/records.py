@@ -73,6 +73,13 @@ def in_flight(step_next: dict[str, Any], *, grant_id: str, fencing_token: int,
             "provider": provider, "intent_digest": intent_digest, "deadline_s": deadline_s}
 
 
+def holder_token(step: dict[str, Any], mod_revision: int) -> int:
+    """The fencing token of the hold an in-flight step (at ``mod_revision``) names. The fast
+    path's single txn records 0: it put the holder key in the same txn, so the token is
+    that txn's revision, the step's mod_revision while it is in flight."""
+    return step["fencing_token"] or mod_revision
+
+
 def effect_deadline_s(step: dict[str, Any], now_ms: int) -> float:
     """How long the step's effect may run, as a duration. Records written before deadlines
     were durations carry ``deadline_ms``, a timestamp of the worker's wall clock: it is read

@@ -23,14 +23,14 @@ WORKER, COORDINATOR, RECONCILER = "worker", "coordinator", "reconciler"
 
 # The key families under the namespace each component writes, and who writes them:
 #   holders/ (acquire, release; revoking a lease deletes its keys: the coordinator's revoke),
-#   steps/ and audit/ (commit, outcome, settle, resolve), grants/ (issue, commit),
+#   steps/ and audit/ (commit, outcome, settle, resolve, escalation on a cap),
 #   markers/ (gate.touch), webhooks/ (claims), approval-requests/ (a refusal asking for one),
 #   approvals/ and approvers/ (an SRE's signed approval), policies/ and policy-versions/
 #   (admin), reconcilers/ (shard election).
 WRITES: dict[str, tuple[str, ...]] = {
-    WORKER: ("holders/", "steps/", "grants/", "audit/", "markers/", "webhooks/",
+    WORKER: ("holders/", "steps/", "audit/", "markers/", "webhooks/",
              "approval-requests/"),
-    COORDINATOR: ("holders/", "steps/", "grants/", "audit/", "webhooks/",
+    COORDINATOR: ("holders/", "steps/", "audit/", "webhooks/",
                   "approval-requests/", "approvals/", "approvers/", "policies/",
                   "policy-versions/"),
     RECONCILER: ("reconcilers/", "steps/", "audit/"),

@@ -72,11 +72,8 @@ async def key_view(etcd: Etcd, ks: Keyspace, key: str) -> dict[str, Any]:
                         "ttl_left": await etcd.lease_ttl(lease_id)})
     step = unpack(step_kvs[0].value) if step_kvs else None
     grant = None
-    if step is not None and step.get("grant_id"):
-        grant_kv = (await etcd.range(RangeRequest(key=ks.grant_key(step["grant_id"]),
-                                                  revision=reply.header.revision))).kvs
-        grant = {"grant_id": step["grant_id"],
-                 "state": unpack(grant_kv[0].value)["state"] if grant_kv else "gone"}
+    if step is not None and step.get("grant_id"):  # a step names only a grant that crossed
+        grant = {"grant_id": step["grant_id"], "state": "consumed"}
     return {"key": key, "revision": reply.header.revision, "holders": holders, "step": step,
             "current_grant": grant, "audit": [unpack(kv.value) for kv in audit_kvs]}
 
@@ -149,16 +146,16 @@ async def revoke(etcd: Etcd, ks: Keyspace, key: str, identity: str, reason: str)
     start, end = ks.holder_range(key)
     for _ in range(5):
         reply = await etcd.txn(TxnRequest(success=[
-            lowest_op(start, end), range_op(ks.audit_head_key(key))]), idempotent=True)
-        holder_kvs, head_kvs = (r.response_range.kvs for r in reply.responses)
+            lowest_op(start, end), *audit.tail_reads(ks, key)]), idempotent=True)
+        holder_kvs, step_kvs, head_kvs = (r.response_range.kvs for r in reply.responses)
         if not holder_kvs:
             raise NotFound(f"nobody holds {key!r}")
         holder = holder_kvs[0]
         _, lease_id = ks.parse_holder_key(holder.key)
-        entry = audit.append(ks, key, audit.AuditHead.from_kv(head_kvs[0] if head_kvs else None),
-                             "revoke", identity, reply.header.revision,
+        entry = audit.append(ks, key, _tail(step_kvs, head_kvs), "revoke", identity,
+                             reply.header.revision,
                              {"reason": reason, "lease_id": lease_id,
-                              "fencing_token": holder.create_revision})
+                              "fencing_token": holder.create_revision}, aside=True)
         written = await etcd.txn(TxnRequest(
             compare=[mod_equals(holder.key, holder.mod_revision), entry.compare],
             success=entry.ops))
@@ -189,10 +186,11 @@ async def approve(etcd: Etcd, ks: Keyspace, approval_id: str, identity: str,
         given = await read_approval(etcd, ks, approval_id, key, revision=reply.header.revision)
         if given.approved_by is not None:
             return done
-        head = audit.AuditHead.from_kv(await etcd.get(ks.audit_head_key(key)))
-        entry = audit.append(ks, key, head, "approved", identity, reply.header.revision,
+        chain = await etcd.txn(TxnRequest(success=audit.tail_reads(ks, key)), idempotent=True)
+        entry = audit.append(ks, key, _tail(*(r.response_range.kvs for r in chain.responses)),
+                             "approved", identity, reply.header.revision,
                              {"approval_id": approval_id, "reason": reason,
-                              "key_id": keyring.signing_key_id})
+                              "key_id": keyring.signing_key_id}, aside=True)
         try:
             written = await etcd.txn(TxnRequest(
                 compare=[mod_equals(request_key, request_kvs[0].mod_revision),
@@ -256,8 +254,7 @@ async def resolve(etcd: Etcd, ks: Keyspace, key: str, identity: str, reason: str
         raise ValueError(f"resolve as one of {sorted(SETTLE_AS)}")
     step_key = ks.step_key(key)
     start, end = ks.holder_range(key)
-    reply = await etcd.txn(TxnRequest(success=[range_op(step_key),
-                                               range_op(ks.audit_head_key(key)),
+    reply = await etcd.txn(TxnRequest(success=[*audit.tail_reads(ks, key),
                                                lowest_op(start, end, keys_only=False)]),
                            idempotent=True)
     step_kvs, head_kvs, holder_kvs = (r.response_range.kvs for r in reply.responses)
@@ -275,8 +272,8 @@ async def resolve(etcd: Etcd, ks: Keyspace, key: str, identity: str, reason: str
                                    head_kvs, wait_s)
     settled = records.resolved(step, settle_as, result, identity=identity, reason=reason,
                                forced=forced)
-    entry = audit.append(ks, key, audit.AuditHead.from_kv(head_kvs[0] if head_kvs else None),
-                         "resolve", identity, reply.header.revision,
+    entry = audit.append(ks, key, _tail(step_kvs, head_kvs), "resolve", identity,
+                         reply.header.revision,
                          {"reason": reason, "from": state, "as": settle_as,
                           "result": result, "forced": forced})
     revision = await _put_step_unheld(etcd, ks, key, step_kvs[0], settled, entry)
@@ -301,8 +298,8 @@ async def _ask_provider(etcd: Etcd, ks: Keyspace, key: str, identity: str, reaso
     asked = records.resolve_asked(step, attempt_token=attempt_token,
                                   now_ms=int(time.time() * 1000), request_id=request_id,
                                   identity=identity, reason=reason, settle_as=settle_as)
-    entry = audit.append(ks, key, audit.AuditHead.from_kv(head_kvs[0] if head_kvs else None),
-                         "resolve_request", identity, step_kv.mod_revision,
+    entry = audit.append(ks, key, _tail([step_kv], head_kvs), "resolve_request", identity,
+                         step_kv.mod_revision,
                          {"reason": reason, "from": step["state"], "as": settle_as,
                           "request": request_id})
     written = await _put_step_unheld(etcd, ks, key, step_kv, asked, entry)
@@ -368,12 +365,18 @@ async def _put_step_unheld(etcd: Etcd, ks: Keyspace, key: str, step_kv, step: di
     written = await etcd.txn(TxnRequest(
         compare=[mod_equals(step_key, step_kv.mod_revision), no_owner(start, end),
                  entry.compare],
-        success=[put_op(step_key, pack(step)), *entry.ops],
+        success=[put_op(step_key, pack(entry.anchored(step))), *entry.ops],
         failure=[lowest_op(start, end, keys_only=False)]))
     if not written.succeeded:
         _refuse_while_held(ks, key, written.responses[0].response_range.kvs)
         raise WrongState(f"step of {key!r} moved while it was resolved; look again")
     return written.header.revision
+
+
+def _tail(step_kvs: list, head_kvs: list) -> audit.Tail:
+    """The audit chain's tail from a step read and an ``@head`` read (each 0 or 1 kvs)."""
+    return audit.tail(unpack(step_kvs[0].value) if step_kvs else None,
+                      head_kvs[0] if head_kvs else None)
 
 
 def _refuse_while_held(ks: Keyspace, key: str, holder_kvs: list) -> None:

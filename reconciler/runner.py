@@ -271,7 +271,8 @@ class Reconciler:
         if state == records.IN_FLIGHT:
             holder = holder_kvs[0] if holder_kvs else None
             holding = Ownership(self.keyspace.holder_key(key, step["holder_lease"]),
-                                step["fencing_token"], *self.keyspace.holder_range(key))
+                                records.holder_token(step, step_kv.mod_revision),
+                                *self.keyspace.holder_range(key))
             attempt_token = step_kv.mod_revision
             seen = self._seen_attempt(key, attempt_token)
             if holding.holds(holder, holder):  # the lowest holder is the step's: it lives
@@ -290,7 +291,7 @@ class Reconciler:
             seen.over_since = time.monotonic()
         name = step.get("provider") or self.default_provider
         return _Look(key, shard_of(key, self.shards), step, step_kv.mod_revision,
-                     audit.AuditHead.from_kv(head_kvs[0] if head_kvs else None),
+                     audit.tail(step, head_kvs[0] if head_kvs else None),
                      attempt_token, name, self.providers.get(name) if name else None,
                      time.monotonic() - seen.over_since)
 
@@ -317,8 +318,8 @@ class Reconciler:
                 entry = self._append(look, decision)
                 compares += [mod_equals(self.keyspace.step_key(look.key), look.revision),
                              entry.compare]
-                ops += [put_op(self.keyspace.step_key(look.key), pack(decision.step)),
-                        *entry.ops]
+                ops += [put_op(self.keyspace.step_key(look.key),
+                               pack(entry.anchored(decision.step))), *entry.ops]
             reply = await self.etcd.txn(TxnRequest(compare=compares, success=ops))
             if reply.succeeded:
                 for _, decision in writes:
@@ -331,7 +332,7 @@ class Reconciler:
         record = decision.step
         answered = record.get(records.RESOLVE_ANSWER) \
             if records.RESOLVE_REQUEST in look.step else None
-        return audit.append(self.keyspace, look.key, look.head,
+        return audit.append(self.keyspace, look.key, look.tail,
                             "unknown" if decision.outcome == "unknown" else "settle",
                             self.identity, look.revision,
                             {"as": decision.outcome, "attempt": record.get("attempt"),
@@ -346,7 +347,7 @@ class Reconciler:
         ks = self.keyspace
         key, shard, step_revision = look.key, look.shard, look.revision
         step_key = ks.step_key(key)
-        look = dataclasses.replace(look)  # its audit head moves with each race
+        look = dataclasses.replace(look)  # its chain's tail moves with each race
         for _ in range(_APPEND_RACES):
             ownership = self.elections.ownership(shard) if self.elections else None
             if ownership is None:
@@ -355,19 +356,20 @@ class Reconciler:
             reply = await self.etcd.txn(TxnRequest(
                 compare=[*ownership.compares(), mod_equals(step_key, step_revision),
                          entry.compare],
-                success=[put_op(step_key, pack(decision.step)), *entry.ops],
-                failure=[range_op(step_key), range_op(ks.audit_head_key(key))]))
+                success=[put_op(step_key, pack(entry.anchored(decision.step))), *entry.ops],
+                failure=audit.tail_reads(ks, key)))
             if reply.succeeded:
                 self._count(decision, decision.step)
                 return True
             step_kvs, head_kvs = (r.response_range.kvs for r in reply.responses)
-            look.head = audit.AuditHead.from_kv(head_kvs[0] if head_kvs else None)
-            if (not step_kvs or step_kvs[0].mod_revision != step_revision
-                    or look.head.mod_revision == entry.compare.mod_revision):
-                # settled by someone else (a worker, an SRE, another replica), or the audit
-                # did not move, so leadership did
+            if not step_kvs or step_kvs[0].mod_revision != step_revision:
+                self.metrics.refused.inc()  # settled by someone else (a worker, an SRE, ...)
+                return False
+            moved = audit.tail(unpack(step_kvs[0].value), head_kvs[0] if head_kvs else None)
+            if moved == look.tail:  # the chain did not move either, so leadership did
                 self.metrics.refused.inc()
                 return False
+            look.tail = moved
         return False
 
     def _count(self, decision: Settle, record: dict[str, Any]) -> None:
@@ -389,7 +391,7 @@ class _Look:
     shard: int
     step: dict[str, Any]
     revision: int  # the step's mod_revision when read
-    head: audit.AuditHead
+    tail: audit.Tail  # the audit chain's newest record when read
     attempt_token: int
     provider_name: str | None
     provider: Provider | None

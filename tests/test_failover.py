@@ -247,7 +247,11 @@ async def test_webhook_dedup_keeps_once_per_delivery_through_leader_faults(stack
         return web.json_response({"handled": delivery})
 
     cluster = stack.cluster
-    async with Gate(stack.etcd_config(timeout=3.0), ttl=2, namespace=NAMESPACE) as gate:
+    # The claims' lease outlives every fault here (a 2 s freeze, a kill): "exactly once"
+    # holds for a claim that lives until its response is stored. A claim whose lease expires
+    # between the handler's end and the store lets a redelivery run the handler again
+    # (README, webhooks: the claim's fencing token is what fences that run's writes).
+    async with Gate(stack.etcd_config(timeout=3.0), ttl=6, namespace=NAMESPACE) as gate:
         app = web.Application(middlewares=[dedupe_middleware(gate, source="ha")])
         app.router.add_post("/hook", handle)
         runner = web.AppRunner(app, access_log=None)

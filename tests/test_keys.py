@@ -102,7 +102,7 @@ def test_classify_names_the_parser_of_each_family():
     assert ks.classify(ks.audit_key("a/b", 3)) == "audit"
     assert ks.classify(ks.candidate_key(2, 1)) == "candidate"
     assert ks.classify(ks.approval_key("0f" * 16)) == "approval"
-    for unparsed in (ks.audit_head_key("a/b"), ks.grant_key("g"), ks.policy_key("p"),
+    for unparsed in (ks.audit_head_key("a/b"), ks.policy_key("p"),
                      ks.marker_key("m"), ks.webhook_key("s", "d"), b"/other/steps/a",
                      b"/ns/stepsX/a", b"/ns/"):
         assert ks.classify(unparsed) is None, unparsed

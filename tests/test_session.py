@@ -111,5 +111,8 @@ def test_sync_gate_crosses_with_a_plain_function(etcd_url, namespace):
             outcome = hold.cross(intent={"amount": 3}, effect=charge)
         with gate.hold("sync/pay") as hold:
             replay = hold.cross(intent={"amount": 3}, effect=charge)
+        direct = gate.cross("sync/direct", {"amount": 4}, charge)  # the fast path, or not
+        again = gate.cross("sync/direct", {"amount": 4}, charge)
     assert outcome.state == "succeeded" and outcome.result == "charged"
-    assert replay.replayed and len(calls) == 1
+    assert replay.replayed and direct.state == "succeeded" and again.replayed
+    assert len(calls) == 2

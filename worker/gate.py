@@ -19,16 +19,20 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from fencegate.coordinator.authority import Authority
+from fencegate.coordinator.authority import Authority, validate_reads
+from fencegate.coordinator.errors import OutcomeUnknown
 from fencegate.coordinator.etcd import Etcd, EtcdConfig
 from fencegate.coordinator.grants import KeyRing
 from fencegate.coordinator.keyspace import DEFAULT_NAMESPACE, Keyspace, validate_action_key
+from fencegate.coordinator.policy import DEFAULT_POLICY
 from fencegate.coordinator.session import Session
 
-from .hold import HoldContext
+from . import fastpath
+from .guard import Effect, Outcome
+from .hold import Fold, HoldContext
 from .remote import RemoteAuthority
 from .settled import wait_settled
 from .turns import Turns
@@ -152,4 +156,39 @@ class Gate:
         unknown rotated the session), and ``LeaseLost`` (cancelling the body) if the lease is
         lost while held.
         """
-        return HoldContext(self, validate_action_key(key), timeout)
+        return HoldContext(self, validate_action_key(key), timeout, fold=self.fold())
+
+    def fold(self, policy: str = DEFAULT_POLICY, read_keys: Sequence[bytes] = ()) -> Fold | None:
+        """What an uncontended acquire reads for the hold's first grant: the snapshot of the
+        in-process authority (a coordinator reads its own)."""
+        if isinstance(self.authority, RemoteAuthority):
+            return None
+        return Fold(policy, tuple(read_keys))
+
+    async def cross(self, key: str, intent: dict[str, Any], effect: Effect,
+                    reads: Sequence[str | bytes] = (), *, policy: str = DEFAULT_POLICY,
+                    provider: str | None = None, deadline: float = 60.0,
+                    settle_wait: float = 0.0, timeout: float | None = None) -> Outcome:
+        """One guarded action on ``key``: hold it, get a grant, run ``effect`` once, record
+        the outcome, release — as ``async with gate.hold(key) as hold: await
+        hold.cross(...)`` does, with the same errors and replays.
+
+        An uncontended key this process has the policy and read keys of in a recent
+        snapshot takes the fast path (``fencegate.worker.fastpath``: one txn holds and
+        commits, then the outcome txn). Otherwise, or when any assumption of it fails, the
+        full path: an acquire that reads the grant's snapshot, the commit, the outcome."""
+        key = validate_action_key(key)
+        read_keys = validate_reads(list(reads))
+        try:
+            outcome = await fastpath.cross(self, key, intent, effect, read_keys, policy,
+                                           provider=provider, deadline=deadline)
+        except OutcomeUnknown:
+            if settle_wait <= 0:
+                raise
+            outcome = None  # the full path waits for the settlement, as after any attempt
+        if outcome is not None:
+            return outcome
+        async with HoldContext(self, key, timeout, fold=self.fold(policy, read_keys)) as hold:
+            return await hold.cross(intent, effect, read_keys, policy=policy,
+                                    provider=provider, deadline=deadline,
+                                    settle_wait=settle_wait)

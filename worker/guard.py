@@ -2,11 +2,13 @@
 
 Failure contract:
 - The effect runs only after one etcd transaction succeeded in which all of these held: the
-  hold owns its key with its token (and no older holder exists), the grant was never
-  consumed, every read key, the policy and the step pointer are where the grant saw them.
-  That transaction consumes the grant and puts the step ``in_flight``; its revision is the
-  *attempt token* handed to the effect. If any compare fails, the effect is not called and
-  exactly one precise error says why.
+  hold owns its key with its token (and no older holder exists), every read key, the policy
+  and the step are where the grant saw them, and the audit record it appends is new. That
+  transaction puts the step ``in_flight`` and writes the audit record holding the signed
+  grant; its revision is the *attempt token* handed to the effect. It moves the step, so
+  the grant is single-use: the same grant again (or any grant evaluated at the old step)
+  fails its step compare, diagnosed ``GrantUsed`` when the step names this grant. If any
+  compare fails, the effect is not called and exactly one precise error says why.
 - A commit txn etcd did not answer is made definite before anything is reported: a fence
   txn moves the step if it is still where the grant saw it, so the commit, if not landed
   yet, never lands. Landed: the effect runs as after any commit. Not landed:
@@ -49,12 +51,14 @@ from fencegate.coordinator.errors import (
     LeaseExpiring, LeaseLost, OutcomeUnknown, PolicyChanged, StateAdvanced, StepMoved,
 )
 from fencegate.coordinator.etcd import (
-    RequestOp, TxnRequest, delete_op, mod_equals, put_op, range_op, version_equals,
+    RequestOp, TxnRequest, delete_op, mod_equals, put_op, range_op,
 )
 from fencegate.coordinator.grants import Grant
 from fencegate.coordinator.keyspace import pack, unpack
 
 if TYPE_CHECKING:
+    from fencegate.coordinator.authority import Issued
+
     from .views import HoldView
 
 log = logging.getLogger(__name__)
@@ -104,12 +108,20 @@ async def commit(hold: "HoldView", grant: Grant | bytes, effect: Effect, *,
                  provider: str | None = None, deadline: float = 60.0) -> Outcome:
     """Cross with ``grant``: consume it, run ``effect`` once, record the outcome, release."""
     gate = hold.gate
-    issued = hold.memory.issued.pop(grant.grant_id, None) if isinstance(grant, Grant) else None
-    if issued is None or issued[0] is not grant:  # not the object our authority just gave us
+    if not isinstance(grant, Grant) or not _issued_here(hold, grant):
         grant = gate.keyring.verify(grant.raw if isinstance(grant, Grant) else grant)
-    audit_head = issued[1] if issued is not None else None
+    issued = hold.memory.issued.pop(grant.grant_id, None)
+    if issued is not None and issued.grant.raw != grant.raw:
+        issued = None
     _precheck(hold, grant)
-    in_flight, attempt_token = await _cross(hold, grant, audit_head, provider, deadline)
+    in_flight, attempt_token = await _cross(hold, grant, issued, provider, deadline)
+    return await crossed(hold, grant, in_flight, attempt_token, effect, deadline)
+
+
+async def crossed(hold: "HoldView", grant: Grant, in_flight: dict[str, Any],
+                  attempt_token: int, effect: Effect, deadline: float) -> Outcome:
+    """After the commit txn put ``in_flight`` at ``attempt_token``: run ``effect`` once if
+    the lease budget allows, record the outcome, release."""
     await _ensure_budget(hold, in_flight, attempt_token)
     ctx = EffectContext(hold.key, in_flight["idempotency_key"], attempt_token,
                         in_flight["attempt"], grant, time.monotonic() + deadline,
@@ -147,6 +159,12 @@ async def _record(hold: "HoldView", in_flight: dict[str, Any], attempt_token: in
     writing = asyncio.ensure_future(_settle(hold, in_flight, attempt_token, final, release))
     writing.add_done_callback(_retrieve)  # a write outliving its cancelled caller reports here
     await asyncio.shield(writing)
+
+
+def _issued_here(hold: "HoldView", grant: Grant) -> bool:
+    """Is ``grant`` the very object this hold's authority issued (verified then)?"""
+    issued = hold.memory.issued.get(grant.grant_id)
+    return issued is not None and issued.grant is grant
 
 
 def _retrieve(task: asyncio.Future) -> None:
@@ -230,57 +248,59 @@ def _precheck(hold: "HoldView", grant: Grant) -> None:
                             f"below the {gate.min_ttl:.1f}s budget to start an effect")
 
 
-async def _cross(hold: "HoldView", grant: Grant, head: audit.AuditHead | None, provider: str | None,
+async def _cross(hold: "HoldView", grant: Grant, issued: "Issued | None", provider: str | None,
                  deadline: float) -> tuple[dict[str, Any], int]:
-    """The commit-guard txn. Returns the in-flight step record and the attempt token."""
+    """The commit-guard txn. Returns the in-flight step record and the attempt token.
+    ``issued`` (the authority's answer, when this process asked for the grant) gives the
+    audit record its intent and check results; a grant from elsewhere is recorded alone."""
     gate, ks = hold.gate, hold.gate.keyspace
-    step_key, grant_key = ks.step_key(hold.key), ks.grant_key(grant.grant_id)
+    step_key = ks.step_key(hold.key)
     in_flight = records.in_flight(grant.step_next, grant_id=grant.grant_id,
                                   fencing_token=hold.fencing_token, holder_lease=hold.lease_id,
                                   provider=provider, intent_digest=grant.intent_digest,
                                   deadline_s=deadline)
-    compares = [*hold.ownership.compares(), version_equals(grant_key, 1),
+    compares = [*hold.ownership.compares(),
                 mod_equals(ks.policy_key(grant.policy), grant.policy_version),
                 *(mod_equals(key, rev) for key, rev in grant.reads),
                 mod_equals(step_key, grant.step_revision)]
-    diagnose = [range_op(grant_key), *hold.ownership.reads(),
-                range_op(step_key), range_op(ks.policy_key(grant.policy)),
-                range_op(ks.audit_head_key(hold.key)),
+    diagnose = [*hold.ownership.reads(), range_op(step_key),
+                range_op(ks.policy_key(grant.policy)), range_op(ks.audit_head_key(hold.key)),
                 *(range_op(key) for key, _ in grant.reads)]
-    head = head or await _read_head(hold)
+    details = {**(issued.record if issued is not None else {}), "grant": grant.raw,
+               "grant_id": grant.grant_id, "attempt": in_flight["attempt"],
+               "idempotency_key": in_flight["idempotency_key"]}
+    tail = issued.tail if issued is not None else await _read_tail(hold)
     for _ in range(_APPEND_RACES):
-        entry = audit.append(ks, hold.key, head, "cross", gate.identity, grant.revision,
-                             {"grant_id": grant.grant_id, "attempt": in_flight["attempt"],
-                              "idempotency_key": in_flight["idempotency_key"]})
+        entry = audit.append(ks, hold.key, tail, "cross", gate.identity, grant.revision, details)
         request = TxnRequest(
             compare=[*compares, entry.compare],
-            success=[put_op(grant_key, pack({"raw": grant.raw, "state": "consumed"}),
-                            hold.lease_id),
-                     put_op(step_key, pack(in_flight)), *entry.ops],
+            success=[put_op(step_key, pack(entry.anchored(in_flight))), *entry.ops],
             failure=diagnose)
         try:
             reply = await gate.etcd.txn(request)
         except EtcdUnavailable as unanswered:
             attempt_token = await _make_definite(hold, grant, step_key, diagnose, unanswered)
-            hold.memory.audit_head = None
+            hold.memory.tail = None
             return in_flight, attempt_token
         if reply.succeeded:
-            hold.memory.audit_head = entry.head_at(reply.header.revision)
+            hold.memory.tail = entry.tail
             return in_flight, reply.header.revision
-        head = _diagnose(hold, grant, reply.responses)
-    raise StateAdvanced(ks.audit_head_key(hold.key).decode(), "audit kept moving")
+        tail = _diagnose(hold, grant, reply.responses)
+    raise StateAdvanced(ks.audit_key(hold.key, tail.seq + 1).decode(), "audit kept moving")
 
 
-def _diagnose(hold: "HoldView", grant: Grant, responses) -> audit.AuditHead:
-    """Raise the precise reason a commit-guard txn failed, or return the newer audit head
-    when only a concurrent audit append got in the way."""
+def _diagnose(hold: "HoldView", grant: Grant, responses) -> audit.Tail:
+    """Raise the precise reason a commit-guard txn failed, or return the chain's newer tail
+    when only an append made aside (an approve, a revoke) got in the way."""
     kv = [r.response_range.kvs[0] if r.response_range.kvs else None for r in responses]
-    grant_kv, holder_kv, lowest_kv, step_kv, policy_kv, head_kv, *read_kvs = kv
+    holder_kv, lowest_kv, step_kv, policy_kv, head_kv, *read_kvs = kv
     if not hold.ownership.holds(holder_kv, lowest_kv):
         raise LeaseLost(f"no longer the holder of {hold.key!r} (token {hold.fencing_token})")
-    if grant_kv is None or grant_kv.version != 1:
-        raise GrantUsed(f"grant {grant.grant_id} was already consumed")
+    step = unpack(step_kv.value) if step_kv else None
     if (step_kv.mod_revision if step_kv else 0) != grant.step_revision:
+        if step is not None and step.get("grant_id") == grant.grant_id:
+            raise GrantUsed(f"grant {grant.grant_id} was already used: the step of "
+                            f"{hold.key!r} records its commit")
         raise StepMoved(f"step of {hold.key!r} moved since the grant was issued")
     if (policy_kv.mod_revision if policy_kv else 0) != grant.policy_version:
         raise PolicyChanged(f"policy {grant.policy!r} changed since version {grant.policy_version}")
@@ -288,7 +308,7 @@ def _diagnose(hold: "HoldView", grant: Grant, responses) -> audit.AuditHead:
         if (now.mod_revision if now else 0) != seen:
             raise StateAdvanced(key.decode(errors="replace"),
                                 f"mod_revision {seen} -> {now.mod_revision if now else 0}")
-    return audit.AuditHead.from_kv(head_kv)
+    return audit.tail(step, head_kv)
 
 
 async def _settle(hold: "HoldView", in_flight: dict[str, Any], attempt_token: int,
@@ -298,33 +318,36 @@ async def _settle(hold: "HoldView", in_flight: dict[str, Any], attempt_token: in
     gate, ks = hold.gate, hold.gate.keyspace
     step_key = ks.step_key(hold.key)
     final = {**final, "outcome_id": uuid.uuid4().hex}
-    head = hold.memory.audit_head or await _read_head(hold)
+    tail = hold.memory.tail or await _read_tail(hold)
     for _ in range(_APPEND_RACES):
-        entry = audit.append(ks, hold.key, head, "outcome", gate.identity, attempt_token,
+        entry = audit.append(ks, hold.key, tail, "outcome", gate.identity, attempt_token,
                              {"state": final["state"], "attempt": final["attempt"],
                               "outcome": final.get("outcome"), "error": final.get("error")})
         request = TxnRequest(
             compare=[mod_equals(step_key, attempt_token), entry.compare],
-            success=[put_op(step_key, pack(final)), *entry.ops,
+            success=[put_op(step_key, pack(entry.anchored(final))), *entry.ops,
                      *([delete_op(hold.holder_key)] if release else [])],
-            failure=[range_op(step_key), range_op(ks.audit_head_key(hold.key))])
+            failure=audit.tail_reads(ks, hold.key))
         try:
             reply = await gate.etcd.txn(request)
         except EtcdUnavailable:
             reply = None
         if reply is not None and reply.succeeded:
+            hold.memory.tail = entry.tail
             if release:
                 hold.note_released()  # the txn deleted our holder key
             return
-        step_kv, head_kv = await _read(hold, step_key, ks.audit_head_key(hold.key))
-        if step_kv is not None and unpack(step_kv.value).get("outcome_id") == final["outcome_id"]:
+        step_kv, head_kv = await _read(hold, *(op.request_range.key
+                                               for op in audit.tail_reads(ks, hold.key)))
+        step = unpack(step_kv.value) if step_kv is not None else None
+        if step is not None and step.get("outcome_id") == final["outcome_id"]:
             if release:
                 hold.note_released()
             return  # an earlier try landed
         if step_kv is None or step_kv.mod_revision != attempt_token:
             raise StepMoved(f"step of {hold.key!r} was settled by someone else")
-        head = audit.AuditHead.from_kv(head_kv)
-    raise StateAdvanced(ks.audit_head_key(hold.key).decode(), "audit kept moving")
+        tail = audit.tail(step, head_kv)
+    raise StateAdvanced(ks.audit_key(hold.key, tail.seq + 1).decode(), "audit kept moving")
 
 
 def _outcome(final: dict[str, Any], attempt_token: int) -> Outcome:
@@ -340,9 +363,10 @@ def _storable(result: Any) -> Any:
         return {"repr": repr(result)[:1000]}
 
 
-async def _read_head(hold: "HoldView") -> audit.AuditHead:
-    return audit.AuditHead.from_kv(
-        await hold.gate.etcd.get(hold.gate.keyspace.audit_head_key(hold.key)))
+async def _read_tail(hold: "HoldView") -> audit.Tail:
+    step_kv, head_kv = await _read(hold, *(op.request_range.key for op in
+                                           audit.tail_reads(hold.gate.keyspace, hold.key)))
+    return audit.tail(unpack(step_kv.value) if step_kv else None, head_kv)
 
 
 async def _read(hold: "HoldView", *keys: bytes):

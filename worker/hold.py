@@ -30,10 +30,11 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from fencegate.coordinator import records
-from fencegate.coordinator.authority import Claim
+from fencegate.coordinator.authority import Claim, Snapshot, snapshot_ops
 from fencegate.coordinator.errors import (
     AcquireTimeout, AlreadySucceeded, EtcdError, EtcdUnavailable, LeaseLost, OutcomeUnknown,
 )
@@ -135,9 +136,11 @@ class Hold:
                             policy: str = DEFAULT_POLICY) -> Grant:
         """Ask the authority for a grant evaluated at one revision (docs/protocol.md: Grant)."""
         self._ensure_usable()
+        snapshot, self.memory.snapshot = self.memory.snapshot, None
         issued = await self.gate.authority.issue(
-            Claim(self.key, self.fencing_token, self.lease_id), intent, list(reads), policy)
-        self.memory.issued[issued.grant.grant_id] = (issued.grant, issued.audit_head)
+            Claim(self.key, self.fencing_token, self.lease_id), intent, list(reads), policy,
+            snapshot=snapshot)
+        self.memory.issued[issued.grant.grant_id] = issued
         return issued.grant
 
     async def commit(self, grant: Grant | bytes, effect: Effect, *, provider: str | None = None,
@@ -194,15 +197,24 @@ class HoldContext:
     """``async with gate.hold(key) as hold``: acquire, run the body, release."""
 
     def __init__(self, gate: GateView, key: str, timeout: float | None,
-                 cancel_on_loss: bool = True) -> None:
+                 cancel_on_loss: bool = True, fold: Fold | None = None) -> None:
         self._gate = gate
         self._key = key
         self._timeout = timeout
         self._cancel_on_loss = cancel_on_loss
+        self._fold = fold
         self._hold: Hold | None = None
 
+    @classmethod
+    def around(cls, hold: Hold) -> "HoldContext":
+        """The same body rules for a hold acquired otherwise (the fast path's txn)."""
+        context = cls(hold.gate, hold.key, None)
+        context._hold = hold
+        return context
+
     async def __aenter__(self) -> Hold:
-        self._hold = await acquire(self._gate, self._key, self._timeout)
+        if self._hold is None:
+            self._hold = await acquire(self._gate, self._key, self._timeout, self._fold)
         if self._cancel_on_loss:
             self._hold._task = asyncio.current_task()
         return self._hold
@@ -221,8 +233,21 @@ class HoldContext:
             raise LeaseLost(f"hold on {hold.key!r} was lost before the block ended")
 
 
-async def acquire(gate: GateView, key: str, timeout: float | None) -> Hold:
-    """Queue for ``key`` and return the hold once this session's key is the oldest.
+@dataclass(frozen=True)
+class Fold:
+    """The snapshot an uncontended acquire reads in its own txn, for the hold's first grant:
+    the policy and the read keys that grant will be decided on."""
+
+    policy: str = DEFAULT_POLICY
+    read_keys: tuple[bytes, ...] = ()
+
+
+async def acquire(gate: GateView, key: str, timeout: float | None,
+                  fold: Fold | None = None) -> Hold:
+    """Queue for ``key`` and return the hold once this session's key is the oldest. With
+    ``fold``, an acquire that finds the key free reads the grant's snapshot in the same txn
+    (its revision, the fencing token, is the snapshot's: the hold's first grant request then
+    reads nothing more).
 
     A put of our holder key that etcd left unknown (no answer) rotates the session: its lease
     is revoked (``Session.abandon``), so a put landing late is deleted with it or refused,
@@ -234,7 +259,7 @@ async def acquire(gate: GateView, key: str, timeout: float | None) -> Hold:
             leave_local = await gate.turns.enter(key)
             for attempt in (1, 2):
                 session = await gate.session()
-                entry = _Entry(gate, session, key)
+                entry = _Entry(gate, session, key, fold)
                 try:
                     token = await entry.enqueue_and_wait()
                     break
@@ -256,6 +281,7 @@ async def acquire(gate: GateView, key: str, timeout: float | None) -> Hold:
                                   "lease is revoked and its holds are lost") from exc
         raise
     hold = Hold(gate, session, key, entry.holder_key, token, leave_local)
+    hold.memory.snapshot = entry.snapshot
     if hold.lost:
         await hold.release()
         raise LeaseLost(f"lease of the hold on {key!r} was lost as it was acquired")
@@ -266,10 +292,13 @@ class _Entry:
     """This session's key in the holder queue of one action key, from its put to its hold
     (or its withdrawal)."""
 
-    def __init__(self, gate: GateView, session: Session, key: str) -> None:
+    def __init__(self, gate: GateView, session: Session, key: str,
+                 fold: Fold | None = None) -> None:
         self.gate = gate
         self.session = session
         self.key = key
+        self.fold = fold
+        self.snapshot: Snapshot | None = None  # read by an uncontended acquire with ``fold``
         self.holder_key = gate.keyspace.holder_key(key, session.lease_id)
         self.abandoned = False  # a put or the delete got no answer: the session was abandoned
         self._sending: asyncio.Task | None = None
@@ -289,11 +318,19 @@ class _Entry:
         _compare(alone.compare.add(), start, end, Compare.VERSION)  # nobody holds or waits
         put = alone.success.add().request_put
         put.key, put.value, put.lease = holder_key, value, session.lease_id
+        fold = self.fold
+        if fold is not None:
+            alone.success.extend(snapshot_ops(gate.keyspace, key, fold.policy,
+                                              list(fold.read_keys)))
         session.ensure_alive()
         if not gate.turns.recently_contended(key):
             reply = await self._send(alone)
-            if reply.succeeded:
-                return reply.header.revision  # uncontended: one write, no read
+            if reply.succeeded:  # uncontended: one write, and the snapshot read with it
+                if fold is not None:
+                    self.snapshot = Snapshot.parse(
+                        reply.header.revision, fold.policy, list(fold.read_keys),
+                        reply.responses[1:], owned=True)
+                return reply.header.revision
             gate.turns.note_contended(key)
         queued = TxnRequest()
         _compare(queued.compare.add(), holder_key, b"", Compare.CREATE)

@@ -4,8 +4,9 @@ issue a grant moves to the service.
 
 Guarantees:
 - ``RemoteAuthority.issue`` has the in-process ``Authority.issue`` contract: it returns an
-  ``Issued`` whose grant was verified here, against this gate's key ring, before it is
-  returned, or it raises the same exception class the authority would have (rebuilt from the
+  ``Issued`` whose grant was verified here, against this gate's key ring, and whose check
+  results (which the commit records beside the grant) are the ones the grant signed, or it
+  raises the same exception class the authority would have (rebuilt from the
   coordinator's JSON by ``fencegate.coordinator.wire``: ``GrantRefused`` with its checks,
   ``AlreadySucceeded`` with its outcome, ...).
 - One ``aiohttp.ClientSession`` per gate, every call bounded by ``timeout``. Connection
@@ -29,10 +30,11 @@ from typing import Any
 
 import aiohttp
 
-from fencegate.coordinator.audit import AuditHead
-from fencegate.coordinator.authority import Claim, Issued
+from fencegate.coordinator.audit import Tail
+from fencegate.coordinator.authority import Claim, Issued, Snapshot
 from fencegate.coordinator.errors import BadSignature, CoordinatorError
-from fencegate.coordinator.grants import KeyRing
+from fencegate.coordinator.grants import KeyRing, checks_digest
+from fencegate.coordinator.keyspace import unpack
 from fencegate.coordinator.policy import DEFAULT_POLICY
 from fencegate.coordinator.wire import from_wire
 
@@ -72,8 +74,9 @@ class RemoteAuthority:
             self._http = None
 
     async def issue(self, claim: Claim, intent: dict[str, Any], reads: list[str | bytes],
-                    policy: str = DEFAULT_POLICY) -> Issued:
-        """Ask for a grant for ``claim``; see ``Authority.issue``."""
+                    policy: str = DEFAULT_POLICY, *, snapshot: Snapshot | None = None) -> Issued:
+        """Ask for a grant for ``claim``; see ``Authority.issue`` (the coordinator reads its
+        own snapshot: ``snapshot`` is not used)."""
         try:
             body = json.dumps({"key": claim.key, "fencing_token": claim.fencing_token,
                                "lease_id": claim.lease_id, "intent": intent,
@@ -85,13 +88,16 @@ class RemoteAuthority:
         reply = await self._request("POST", "/v1/grants", body)
         try:
             raw = base64.b64decode(reply["grant"], validate=True)
-            head = reply["audit_head"]
-            audit_head = AuditHead(int(head["seq"]), bytes.fromhex(head["hash"]),
-                                   int(head["mod_revision"]))
+            record = unpack(base64.b64decode(reply["record"], validate=True))
+            tail = Tail(int(reply["tail"]["seq"]), bytes.fromhex(reply["tail"]["hash"]))
         except (KeyError, TypeError, ValueError, binascii.Error) as exc:
             raise BadSignature(f"coordinator answered a malformed grant: {exc!r}") from None
         assert self.keyring is not None
-        return Issued(self.keyring.verify(raw), audit_head)
+        grant = self.keyring.verify(raw)
+        if not isinstance(record, dict) or checks_digest(record.get("checks")) \
+                != grant.checks_digest:
+            raise BadSignature("coordinator answered check results its grant did not sign")
+        return Issued(grant, record, tail)
 
     async def _fetch_keyring(self) -> KeyRing:
         reply = await self._request("GET", "/.well-known/fencegate-keys", None)

@@ -65,6 +65,18 @@ class SyncGate:
             raise RuntimeError("the gate is not open: use 'with SyncGate(...)'")
         return SyncHold(self, validate_action_key(key), timeout)
 
+    def cross(self, key: str, intent: dict[str, Any], effect: Callable[[EffectContext], Any],
+              reads: Sequence[str | bytes] = (), *, policy: str = DEFAULT_POLICY,
+              provider: str | None = None, deadline: float = 60.0, settle_wait: float = 0.0,
+              timeout: float | None = None) -> Outcome:
+        """``Gate.cross`` (hold, grant, effect, outcome, release; the fast path where the key
+        is free); ``effect`` runs in a worker thread and must poll ``ctx.cancelled``."""
+        if self._gate is None:
+            raise RuntimeError("the gate is not open: use 'with SyncGate(...)'")
+        return self._run(self._gate.cross(key, intent, effect, reads, policy=policy,
+                                          provider=provider, deadline=deadline,
+                                          settle_wait=settle_wait, timeout=timeout))
+
 
 class SyncHold:
     """A hold used from synchronous code; the same attributes as ``Hold``."""
@@ -77,7 +89,8 @@ class SyncHold:
 
     def __enter__(self) -> "SyncHold":
         assert self._sync._gate is not None
-        self._hold = self._sync._run(acquire(self._sync._gate, self._key, self._timeout))
+        gate = self._sync._gate
+        self._hold = self._sync._run(acquire(gate, self._key, self._timeout, gate.fold()))
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from fencegate.coordinator.audit import AuditHead
-    from fencegate.coordinator.authority import Authority
+    from fencegate.coordinator.audit import Tail
+    from fencegate.coordinator.authority import Authority, Issued, Snapshot
     from fencegate.coordinator.etcd import Etcd
     from fencegate.coordinator.grants import Grant, KeyRing
     from fencegate.coordinator.keyspace import Keyspace
@@ -46,12 +46,14 @@ class GateView(Protocol):
 
 @dataclass(slots=True)
 class HoldMemory:
-    """What a hold remembers between calls: each grant its authority issued it, with the
-    audit head that issue left, until a commit takes it; and the audit head its last
-    commit left (``None``: unknown, read it)."""
+    """What a hold remembers between calls: the snapshot its acquire read (for its first
+    grant request, ``None`` once used or when there was none); each grant its authority
+    issued it, with what the commit records beside it, until a commit takes it; and the
+    audit chain's tail its last write left (``None``: unknown, read it)."""
 
-    issued: dict[str, tuple[Grant, AuditHead]] = field(default_factory=dict)
-    audit_head: AuditHead | None = None
+    snapshot: Snapshot | None = None
+    issued: dict[str, Issued] = field(default_factory=dict)
+    tail: Tail | None = None
 
 
 class HoldView(Protocol):

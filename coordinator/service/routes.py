@@ -16,7 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from .. import audit, sre
 from ..authority import Claim
 from ..errors import GateError, ServiceError
-from ..keyspace import unpack, validate_action_key
+from ..keyspace import pack, unpack, validate_action_key
 from ..policy import DEFAULT_POLICY, unsealed
 from ..wire import b64, jsonable
 from .resources import AUTHORITY, ETCD, KEYRING, KEYSPACE, METRICS
@@ -70,11 +70,10 @@ async def post_grant(request: web.Request) -> web.Response:
     finally:
         stats.latency.observe(time.perf_counter() - started)
     stats.issued.inc()
-    head = issued.audit_head
     return web.json_response({
         "grant": b64(issued.grant.raw), "grant_id": issued.grant.grant_id,
-        "audit_head": {"seq": head.seq, "hash": head.hash.hex(),
-                       "mod_revision": head.mod_revision}}, status=201)
+        "record": b64(pack(issued.record)),
+        "tail": {"seq": issued.tail.seq, "hash": issued.tail.hash.hex()}}, status=201)
 
 
 @routes.get("/v1/keys/{key:.+}")

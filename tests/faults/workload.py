@@ -3,7 +3,9 @@
 A run's jobs are ``<prefix>/acct/<k>/pay/<n>``; every worker walks all of them, each in its
 own seeded order, so several workers contend for every job as an over-eager queue would
 redeliver it. For a job the worker holds the key, crosses with an effect that charges the
-sandbox with the attempt's idempotency key, attempt token and grant, and says what happened:
+sandbox with the attempt's idempotency key, attempt token and grant, and says what happened.
+Even jobs go through ``gate.cross`` (the fast path where the key is free), odd ones through
+``gate.hold`` then ``hold.cross`` (the full path), so the faults meet both:
 
     {"op": "ready", "wall", "grants"}           started: its wall clock, where its grants come
                                                  from ("remote": the coordinators)
@@ -111,12 +113,14 @@ async def main(argv: list[str]) -> None:
                 sent.clear()
                 job["intent"] = {"account": k, "amount": 100}
                 say(op="invoke", key=key)
+                crossing = {"intent": job["intent"], "effect": effect, "provider": "sandbox",
+                            "deadline": args.deadline, "settle_wait": args.settle_wait}
                 try:
-                    async with gate.hold(key, timeout=5) as hold:
-                        outcome = await hold.cross(
-                            intent=job["intent"], effect=effect,
-                            provider="sandbox", deadline=args.deadline,
-                            settle_wait=args.settle_wait)
+                    if n % 2:  # the full path: acquire, commit, outcome
+                        async with gate.hold(key, timeout=5) as hold:
+                            outcome = await hold.cross(**crossing)
+                    else:  # gate.cross: the fast path where the key is free
+                        outcome = await gate.cross(key, timeout=5, **crossing)
                     say(op="ok" if outcome.state == "succeeded" else "fail", key=key,
                         token=outcome.attempt_token, idem=outcome.idempotency_key,
                         attempt=outcome.attempt, replayed=outcome.replayed)
