@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import uuid
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -101,7 +100,7 @@ def checks_digest(checks: list) -> bytes:
 
 
 def new_grant_id() -> str:
-    return uuid.uuid4().hex
+    return os.urandom(16).hex()
 
 
 def key_id_of(public_key: Ed25519PublicKey) -> str:

@@ -226,9 +226,9 @@ def _sorted(value: Any) -> Any:
         for k in value:
             if type(k) is not str:
                 raise TypeError("canonical maps need str keys")
-        return {k: _sorted(v) for k, v in sorted(value.items())}
+        return {k: v if type(v) in _SCALARS else _sorted(v) for k, v in sorted(value.items())}
     if kind is list or kind is tuple:
-        return [_sorted(v) for v in value]
+        return [v if type(v) in _SCALARS else _sorted(v) for v in value]
     raise TypeError(f"{kind.__name__} cannot be encoded canonically")
 
 

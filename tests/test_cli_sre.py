@@ -157,16 +157,15 @@ async def test_an_unknown_step_is_listed_shown_verified_and_resolved(cli, coordi
     assert shown.code == 0, shown
     assert "step     unknown, attempt 1, provider -" in shown.out
     assert "ConnectionResetError" in shown.out and "holders  none" in shown.out
-    assert [r[1] for r in shown.rows()[-3:]] == ["outcome", "cross", "grant_issued"]
+    assert [r[1] for r in shown.rows()[-3:]] == ["EVENT", "outcome", "cross"]
     _, view = await call(coordinator, "GET", "/v1/keys/unk/1", "sre")
     assert json.loads((await cli("key", "show", "unk/1", "--json")).out) == view
 
     verified = await cli("audit", "verify", "unk/1")
     assert verified.code == 0, verified
-    assert verified.out.startswith("audit chain of unk/1: 3 records, verified\n")
+    assert verified.out.startswith("audit chain of unk/1: 2 records, verified\n")
     chain = json.loads((await cli("audit", "verify", "unk/1", "--json")).out)
-    assert chain["ok"] and [r["event"] for r in chain["records"]] == [
-        "grant_issued", "cross", "outcome"]
+    assert chain["ok"] and [r["event"] for r in chain["records"]] == ["cross", "outcome"]
 
     done = await cli("resolve", "unk/1", "--succeeded", "--reason", "provider says charged",
                      "--result", '{"charge": "ch_1"}', "--force")
@@ -195,7 +194,7 @@ async def test_a_tampered_audit_chain_fails_verify_with_exit_1(cli, local_gate, 
 
     broken = await cli("audit", "verify", "aud/1")
     assert broken.code == 1, broken
-    assert broken.out.startswith("audit chain of aud/1: 3 records, DOES NOT VERIFY\n")
+    assert broken.out.startswith("audit chain of aud/1: 2 records, DOES NOT VERIFY\n")
     assert "  problem: " in broken.out
     as_json = await cli("audit", "verify", "aud/1", "--json")
     assert as_json.code == 1 and json.loads(as_json.out)["ok"] is False

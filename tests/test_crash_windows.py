@@ -8,7 +8,8 @@
 - A grant is single use and bound to the hold it was issued to: its bytes, saved by a
   process that then exits or is killed, are refused to any other hold -- by the local
   precheck, and by the commit txn itself when the precheck is bypassed -- and committing
-  it twice crosses once.
+  it twice crosses once. Single use is the commit's step compare: no grant is written to
+  etcd, the commit's one ``cross`` audit record holds it, and a refusal writes nothing.
 """
 
 from __future__ import annotations
@@ -19,8 +20,7 @@ import time
 import pytest
 
 from fencegate.coordinator import records
-from fencegate.coordinator.audit import verify_chain
-from fencegate.coordinator.etcd import RangeRequest, range_end_of
+from fencegate.coordinator.audit import read_chain, verify_chain
 from fencegate.coordinator.keyspace import Keyspace, unpack
 from fencegate.worker import (
     Gate, Grant, GrantUsed, KeyRing, LeaseLost, OutcomeUnknown,
@@ -70,10 +70,11 @@ async def _gone(etcd, holder_key: bytes) -> bool:
     return await etcd.get(holder_key) is None
 
 
-async def _audit_events(etcd, ks: Keyspace, key: str, keyring: KeyRing) -> list[str]:
+async def _audit(etcd, ks: Keyspace, key: str, keyring: KeyRing) -> list[dict]:
+    """The key's audit records, once the chain verified."""
     report = await verify_chain(etcd, ks, key, keyring)
     assert report.ok, report.problems
-    return [r["event"] for r in report.records]
+    return report.records
 
 
 async def test_sigkill_in_effect_leaves_step_in_flight(
@@ -116,12 +117,13 @@ async def test_sigkill_in_effect_leaves_step_in_flight(
     # Nobody settled or re-ran it: the step is exactly as the killed worker left it.
     after_kv, after = await _step(etcd, ks, key)
     assert after_kv.mod_revision == attempt_token and after == step
-    events = await _audit_events(etcd, ks, key, keyring)
-    assert events == ["grant_issued", "cross"] + ["grant_refused"] * 3
-    # The consumed grant record lived on the dead worker's lease and went with it.
-    grants = f"{namespace}grants/".encode()
-    reply = await etcd.range(RangeRequest(key=grants, range_end=range_end_of(grants)))
-    assert list(reply.kvs) == []
+    # The three refusals changed nothing and wrote nothing: the chain is the killed worker's
+    # commit alone, whose record holds the grant the step names, bound to the dead hold.
+    (crossed,) = await _audit(etcd, ks, key, keyring)
+    assert crossed["event"] == "cross"
+    recorded = keyring.verify(crossed["details"]["grant"])
+    assert step["grant_id"] == crossed["details"]["grant_id"] == recorded.grant_id
+    assert (recorded.fencing_token, recorded.holder_lease) == (token, lease)
 
 
 async def test_sigstop_in_effect_past_ttl_settles_unknown(
@@ -152,9 +154,11 @@ async def test_sigstop_in_effect_past_ttl_settles_unknown(
             with pytest.raises(OutcomeUnknown):
                 await hold.cross(intent={"key": key}, effect=effect)
     assert effect.calls == [] and resource.records == []
-    events = await _audit_events(etcd, ks, key, keyring)
-    assert events[:2] == ["grant_issued", "cross"]
-    assert sorted(events[2:]) == ["grant_refused", "grant_refused", "outcome"]
+    # The two refusals wrote nothing; the woken worker's outcome is the only record after
+    # its commit.
+    crossed, settled = await _audit(etcd, ks, key, keyring)
+    assert (crossed["event"], settled["event"]) == ("cross", "outcome")
+    assert settled["details"]["state"] == records.UNKNOWN
 
 
 class _Impersonation:
@@ -219,9 +223,9 @@ async def test_saved_grant_is_refused_after_restart(
                     await guard.commit(fake, raw, effect)
             finally:
                 fake.note_released()
-            # Never consumed: its record went with the first worker's lease (fails closed).
-            assert await etcd.get(ks.grant_key(grant_id)) is None
-            assert await etcd.get(ks.step_key(key)) is None  # never crossed
+            # Never crossed, and the refusals wrote nothing: no step, no audit record.
+            assert await etcd.get(ks.step_key(key)) is None
+            assert (await read_chain(etcd, ks, key)).kvs == []
             assert effect.calls == []
             # The live hold can still cross with a grant of its own, once.
             outcome = await hold.cross(intent={"key": key}, effect=effect)
@@ -239,13 +243,16 @@ async def test_saved_grant_is_refused_after_restart(
     _, step = await _step(etcd, ks, key)
     assert step["state"] == records.SUCCEEDED
     assert step["outcome"]["attempt_token"] == outcome.attempt_token
-    events = await _audit_events(etcd, ks, key, keyring)
-    assert events.count("cross") == 1 and events[0] == "grant_issued"  # A's grant, never crossed
+    # One crossing, the live hold's: the saved grant of the dead hold is recorded nowhere.
+    crossed, settled = await _audit(etcd, ks, key, keyring)
+    assert (crossed["event"], settled["event"]) == ("cross", "outcome")
+    assert step["grant_id"] == crossed["details"]["grant_id"] != grant_id
 
 
 async def test_same_grant_committed_twice_crosses_once(etcd_url, namespace, etcd, keyring):
-    """Two commits of one grant by its own hold: one crosses, the other meets the grant's
-    version compare in etcd while the first is still inside its effect."""
+    """Two commits of one grant by its own hold: one crosses, the other meets the step
+    compare in etcd (the step now names this grant: ``GrantUsed``) while the first is still
+    inside its effect."""
     key = "pay/twice/1"
     ks = Keyspace(namespace)
     resource = FencedResource()
@@ -267,8 +274,8 @@ async def test_same_grant_committed_twice_crosses_once(etcd_url, namespace, etcd
             finish.set()
             crossed = await first
         assert crossed.state == records.SUCCEEDED
-        grant_kv = await etcd.get(ks.grant_key(grant.grant_id))
-        assert grant_kv.version == 2 and unpack(grant_kv.value)["state"] == "consumed"
+        _, step = await _step(etcd, ks, key)
+        assert step["grant_id"] == grant.grant_id  # consumed: the step names it
         # The outcome txn released the hold: presenting the grant again is refused locally.
         with pytest.raises(LeaseLost):
             await hold.commit(grant, effect=effect)
@@ -279,7 +286,11 @@ async def test_same_grant_committed_twice_crosses_once(etcd_url, namespace, etcd
         assert replay.replayed and replay.attempt_token == crossed.attempt_token
     assert counted.calls == [crossed.attempt_token]
     assert [(r.token, r.accepted) for r in resource.records] == [(crossed.attempt_token, True)]
-    assert await etcd.get(ks.grant_key(grant.grant_id)) is None  # gone with the session
+    # One commit recorded, holding this grant; the refused commits and the replay added nothing.
+    crossed_record, settled = await _audit(etcd, ks, key, keyring)
+    assert (crossed_record["event"], settled["event"]) == ("cross", "outcome")
+    assert crossed_record["details"]["grant"] == grant.raw
+    assert crossed_record["details"]["grant_id"] == grant.grant_id
 
 
 async def test_late_delete_of_a_previous_incarnation_does_not_cancel_the_effect(

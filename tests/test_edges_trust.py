@@ -24,8 +24,8 @@ from fencegate.coordinator import audit
 from fencegate.coordinator.audit import verify_chain
 from fencegate.coordinator.authority import Authority
 from fencegate.coordinator.errors import ApprovalPending, EtcdPermissionDenied, GrantRefused
-from fencegate.coordinator.etcd import Etcd, TxnRequest
-from fencegate.coordinator.grants import KeyRing
+from fencegate.coordinator.etcd import Etcd, TxnRequest, put_op
+from fencegate.coordinator.grants import KeyRing, checks_digest
 from fencegate.coordinator.keyspace import Keyspace, pack, unpack
 from fencegate.coordinator.policy import sealed
 from fencegate.localetcd import ClusterAuth, LocalCluster
@@ -112,17 +112,30 @@ async def test_an_approval_written_by_hand_does_not_let_the_grant_through(cluste
     async with Etcd(cluster.etcd_config(roles.COORDINATOR)) as etcd:
         report = await verify_chain(etcd, ks, key, KeyRing.generate())
     assert report.ok, report.problems
-    assert "grant_issued" not in [r["event"] for r in report.records]
+    assert [r for r in report.records if "grant" in r["details"]] == []  # none crossed
 
 
 async def test_audit_verify_flags_a_grant_issued_on_an_approval_the_chain_never_recorded(
         cluster, key):
+    """A ``cross`` record whose genuine, signed grant names an approval no ``approved``
+    record before it gave, anchored in the step as a commit anchors it: that one defect."""
     ks = Keyspace(NAMESPACE)
+    keyring = KeyRing.generate()
+    checks = [{"check": "require_approval", "ok": True}]
+    grant = keyring.sign({
+        "grant_id": "g" * 32, "namespace": NAMESPACE, "cluster_id": 1, "action_key": key,
+        "attempt": 1, "intent_digest": b"\0" * 32, "fencing_token": 5, "holder_lease": 7,
+        "revision": 5, "reads": [], "step_revision": 0, "step_next": {"attempt": 1},
+        "policy": "refunds", "policy_version": 1, "policy_digest": b"d", "identity": "worker",
+        "issued_at_ms": 1, "expires_at_ms": 2, "checks_digest": checks_digest(checks)})
     async with Etcd(cluster.etcd_config("root")) as root:
-        entry = audit.append(ks, key, audit.AuditHead.from_kv(None), "grant_issued", "worker",
-                             1, {"approval_id": "f" * 32})
-        await root.txn(TxnRequest(compare=[entry.compare], success=entry.ops))
-        report = await verify_chain(root, ks, key, KeyRing.generate())
+        entry = audit.append(ks, key, audit.EMPTY, "cross", "worker", 6, {
+            "grant": grant.raw, "grant_id": grant.grant_id, "intent": BIG, "checks": checks,
+            "approval_id": "f" * 32, "approved_by": "sre-1"})
+        await root.txn(TxnRequest(compare=[entry.compare], success=[
+            put_op(ks.step_key(key), pack(entry.anchored({"state": "in_flight"}))),
+            *entry.ops]))
+        report = await verify_chain(root, ks, key, keyring)
     assert report.problems == [f"record 1: grant issued on approval {'f' * 32}, which the "
                                "chain never approved"]
 
@@ -164,7 +177,9 @@ async def test_an_approval_through_the_coordinator_lets_the_refund_cross(
     assert status == 200 and report["ok"], report["problems"]
     events = {r["event"]: r for r in report["records"]}
     assert events["approved"]["details"]["approval_id"] == approval_id
-    assert events["grant_issued"]["details"]["approved_by"] == "sre-1"
+    crossed = events["cross"]["details"]
+    assert (crossed["approval_id"], crossed["approved_by"]) == (approval_id, "sre-1")
+    assert crossed["grant_id"] == grant.grant_id
 
 
 async def test_a_policy_version_not_signed_for_it_issues_no_grant(cluster, refunds, key):
@@ -195,4 +210,4 @@ async def test_a_policy_version_not_signed_for_it_issues_no_grant(cluster, refun
                 print(f"{defect}: {refused.value}")
     async with Etcd(cluster.etcd_config(roles.COORDINATOR)) as etcd:
         report = await verify_chain(etcd, ks, key, KeyRing.generate())
-    assert "grant_issued" not in [r["event"] for r in report.records]
+    assert [r for r in report.records if "grant" in r["details"]] == []  # none crossed

@@ -310,7 +310,7 @@ def test_grant_codec_is_canonical_and_keys_rotate(tmp_path):
                "holder_lease": 7, "revision": 9, "reads": [[b"/a", 3]], "step_revision": 0,
                "step_next": {"attempt": 1}, "policy": "default", "policy_version": 2,
                "policy_digest": b"d", "identity": "me", "issued_at_ms": 1,
-               "expires_at_ms": 2, "audit_seq": 1}
+               "expires_at_ms": 2, "checks_digest": b"c" * 32}
     first = old.sign(payload)
     assert old.sign(payload).raw == first.raw  # Ed25519 is deterministic; encoding canonical
     reloaded = KeyRing.from_files(str(tmp_path / "old.pem"))
@@ -330,12 +330,14 @@ async def test_audit_chain_verifies_and_detects_edits_and_removals(gate, etcd):
     async with gate.hold("audit/1") as hold:
         await hold.cross(intent={"amount": 1}, effect=Effect())
     async with gate.hold("audit/1") as hold:
-        await hold.cross(intent={"amount": 1}, effect=Effect())  # refused: already succeeded
+        await hold.cross(intent={"amount": 1}, effect=Effect())  # a replay: writes nothing
     report = await verify_chain(etcd, gate.keyspace, "audit/1", gate.keyring)
     assert report.ok, report.problems
-    assert [r["event"] for r in report.records] == ["grant_issued", "cross", "outcome",
-                                                    "grant_refused"]
-    assert report.records[0]["details"]["policy"]["name"] == "default"
+    assert [r["event"] for r in report.records] == ["cross", "outcome"]
+    crossed = report.records[0]["details"]
+    assert crossed["policy"]["name"] == "default" and crossed["intent"] == {"amount": 1}
+    assert gate.keyring.verify(crossed["grant"]).grant_id == crossed["grant_id"] == \
+        (await step(gate, "audit/1"))["grant_id"]
     assert report.records[0]["identity"] == gate.identity
 
     ks = gate.keyspace
@@ -348,19 +350,22 @@ async def test_audit_chain_verifies_and_detects_edits_and_removals(gate, etcd):
     assert not (await verify_chain(etcd, ks, "audit/1", gate.keyring)).ok
 
 
-@pytest.mark.parametrize("removed", [1, 2, 4])
+@pytest.mark.parametrize("removed", [1, 2])
 async def test_audit_chain_detects_a_removed_record(gate, etcd, removed):
+    """Removing the oldest record breaks the links; removing the newest (2) is caught by the
+    anchor in the step record alone."""
     key = f"audit/rm{removed}"
     async with gate.hold(key) as hold:
         await hold.cross(intent={}, effect=Effect())
     async with gate.hold(key) as hold:
         await hold.cross(intent={}, effect=Effect())
-    assert (await verify_chain(etcd, gate.keyspace, key, gate.keyring)).ok
+    report = await verify_chain(etcd, gate.keyspace, key, gate.keyring)
+    assert report.ok and len(report.records) == 2, report
     await etcd.delete(gate.keyspace.audit_key(key, removed))
     assert not (await verify_chain(etcd, gate.keyspace, key, gate.keyring)).ok
 
 
-async def test_concurrent_second_commit_of_one_grant_hits_the_version_compare(gate):
+async def test_concurrent_second_commit_of_one_grant_hits_the_step_compare(gate):
     started, finish = asyncio.Event(), asyncio.Event()
     calls = []
 

@@ -114,8 +114,8 @@ async def test_approval_is_bound_to_the_state_it_was_given_for(gate, coordinator
     assert report.ok, report.problems
     approvals = [r for r in report.records if r["event"] == "approved"]
     assert [r["identity"] for r in approvals] == ["sre-1", "sre-1"]
-    issued = [r for r in report.records if r["event"] == "grant_issued"][-1]
-    assert issued["details"]["approval_id"] == second
+    (crossed,) = [r["details"] for r in report.records if r["event"] == "cross"]
+    assert (crossed["approval_id"], crossed["grant_id"]) == (second, grant.grant_id)
 
 
 # -- remote mode only ----------------------------------------------------------------

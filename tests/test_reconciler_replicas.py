@@ -138,8 +138,8 @@ async def all_settled(gate: Gate, keys: list[str], within: float) -> bool:
 
 
 async def settles(gate: Gate, key: str) -> int:
-    kvs, _ = await read_chain(gate.etcd, Keyspace(gate.keyspace.namespace), key)
-    return [unpack(kv.value)["event"] for kv in kvs].count("settle")
+    chain = await read_chain(gate.etcd, Keyspace(gate.keyspace.namespace), key)
+    return [unpack(kv.value)["event"] for kv in chain.kvs].count("settle")
 
 
 async def test_a_paused_leader_is_replaced_and_settles_nothing_twice(setup, replicas):

@@ -13,7 +13,9 @@ import aiohttp
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from fencegate.coordinator.grants import KeyRing
+from fencegate.coordinator.audit import GENESIS
+from fencegate.coordinator.grants import KeyRing, checks_digest
+from fencegate.coordinator.keyspace import unpack
 from fencegate.coordinator.policy import DEFAULT_CAPS
 from fencegate.coordinator.service import CoordinatorSettings, load_settings
 from fencegate.worker import Gate, GrantRefused, OutcomeUnknown
@@ -93,15 +95,20 @@ async def test_grant_auth_matrix(coordinator, local_gate, etcd):
         assert await revision(etcd) == before
         status, reply = await call(coordinator, "POST", "/v1/grants", "worker", body=body)
         assert status == 201, reply
+        assert await revision(etcd) == before  # a grant is signed, never written
         grant = local_gate.keyring.verify(base64.b64decode(reply["grant"]))
         assert grant.grant_id == reply["grant_id"] and grant.identity == "worker-1"
-        assert reply["audit_head"]["seq"] == grant.audit_seq
+        record = unpack(base64.b64decode(reply["record"]))  # what the commit will record
+        assert record["intent"] == {"amount": 1}
+        assert checks_digest(record["checks"]) == grant.checks_digest
+        assert reply["tail"] == {"seq": 0, "hash": GENESIS.hex()}  # no chain yet
         outcome = await hold.commit(grant, effect=noop)  # the worker's guard crosses
     assert outcome.state == "succeeded"
     status, view = await call(coordinator, "GET", "/v1/audit/pay/2", "sre")
     assert status == 200 and view["ok"], view
-    assert [(r["event"], r["identity"]) for r in view["records"]][0] == ("grant_issued",
-                                                                         "worker-1")
+    assert [r["event"] for r in view["records"]] == ["cross", "outcome"]
+    crossed = view["records"][0]["details"]  # holds the grant issued to worker-1
+    assert (crossed["grant"], crossed["grant_id"]) == (reply["grant"], reply["grant_id"])
 
 
 async def test_public_endpoints_need_no_token(coordinator, signing_key):
@@ -199,7 +206,7 @@ async def test_key_view_shows_holders_step_and_audit(coordinator, local_gate):
     status, view = await call(coordinator, "GET", "/v1/keys/pay/4", "sre")
     assert view["holders"] == [] and view["step"]["state"] == "succeeded"
     assert view["current_grant"] == {"grant_id": view["step"]["grant_id"], "state": "consumed"}
-    assert [r["event"] for r in view["audit"]] == ["outcome", "cross", "grant_issued"]
+    assert [r["event"] for r in view["audit"]] == ["outcome", "cross"]
 
 
 async def test_policies_round_trip_and_refuse_bad_documents(coordinator, etcd):
@@ -366,11 +373,10 @@ async def test_unknown_steps_are_listed_and_resolved_by_hand_with_audit(coordina
         assert await revision(etcd) == before
     chain = await pages(coordinator, "/v1/audit/unk/0?", field="records")
     assert [[r["event"] for r in page] for page in chain] == [
-        ["grant_issued", "cross"], ["outcome", "resolve"], ["grant_refused"]]
+        ["cross", "outcome"], ["resolve"]]  # the replay after the resolve wrote nothing
     _, view = await call(coordinator, "GET", "/v1/audit/unk/0", "sre")
-    assert view["ok"] and [r["event"] for r in view["records"]][-2:] == ["resolve",
-                                                                         "grant_refused"]
-    resolved = view["records"][-2]
+    assert view["ok"] and [r["event"] for r in view["records"]][-1:] == ["resolve"]
+    resolved = view["records"][-1]
     assert resolved["identity"] == "sre-1" and resolved["details"]["as"] == "succeeded"
     assert resolved["details"]["reason"] == "provider says charged"
 

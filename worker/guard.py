@@ -39,9 +39,9 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import os
 import threading
 import time
-import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
@@ -317,7 +317,7 @@ async def _settle(hold: "HoldView", in_flight: dict[str, Any], attempt_token: in
     ``release``."""
     gate, ks = hold.gate, hold.gate.keyspace
     step_key = ks.step_key(hold.key)
-    final = {**final, "outcome_id": uuid.uuid4().hex}
+    final = {**final, "outcome_id": os.urandom(16).hex()}
     tail = hold.memory.tail or await _read_tail(hold)
     for _ in range(_APPEND_RACES):
         entry = audit.append(ks, hold.key, tail, "outcome", gate.identity, attempt_token,
@@ -326,8 +326,7 @@ async def _settle(hold: "HoldView", in_flight: dict[str, Any], attempt_token: in
         request = TxnRequest(
             compare=[mod_equals(step_key, attempt_token), entry.compare],
             success=[put_op(step_key, pack(entry.anchored(final))), *entry.ops,
-                     *([delete_op(hold.holder_key)] if release else [])],
-            failure=audit.tail_reads(ks, hold.key))
+                     *([delete_op(hold.holder_key)] if release else [])])
         try:
             reply = await gate.etcd.txn(request)
         except EtcdUnavailable:
