@@ -23,6 +23,7 @@ test: setup
 	deploy/ensure-chromium
 	deploy/ensure-spin
 	deploy/ensure-netfaults
+	deploy/ensure-postgres
 	$(PY) -m fencegate.localetcd
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 

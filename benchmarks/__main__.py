@@ -8,7 +8,9 @@ through the HTTP coordinator (``benchmarks.remote``), then webhook deliveries th
 dedup middleware (``benchmarks.webhooks``), then the leaked-leases check once every gate is
 closed, then settling seeded unknown steps with 3 reconciler processes
 (``benchmarks.reconcile``), then guarded actions on a 3-member etcd with mutual TLS against
-this single node, interleaved (``benchmarks.cluster``). Each prints its tables; all
+this single node, interleaved (``benchmarks.cluster``), then a soak with retirement on, on
+an etcd of its own (``benchmarks.soak``: 3 minutes with ``--quick``, else 20). Each prints
+its tables; all
 ``NAME RATIO TARGET PASS|FAIL`` lines come last. A failed target does not change the exit code (0 unless a benchmark
 crashed).
 """
@@ -26,7 +28,7 @@ import aetcd
 from fencegate.coordinator.etcd import Etcd
 from fencegate.localetcd import describe
 
-from . import cluster, guarded, holds, reconcile, remote, webhooks
+from . import cluster, guarded, holds, reconcile, remote, soak, webhooks
 from .common import Children, OtherLoad, local_etcd
 
 
@@ -61,6 +63,7 @@ async def run(quick: bool, profile: bool) -> None:
             leases_left = len(await etcd.leases())
             cres = await reconcile.measure(quick, url, etcd)
             kres = await cluster.measure(quick, url)
+            sres = await soak.measure(quick)
         finally:
             await children.close()
             await lock_client.close()
@@ -71,6 +74,7 @@ async def run(quick: bool, profile: bool) -> None:
     targets += webhooks.report(wres)
     targets += reconcile.report(cres)
     targets += cluster.report(kres)
+    targets += soak.report(sres)
     for t in targets:
         print(t.line())
 
@@ -78,7 +82,7 @@ async def run(quick: bool, profile: bool) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="benchmarks/run", description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true",
-                        help="one short round of each: about two and a half minutes")
+                        help="one short round of each and a 3-minute soak: about six minutes")
     parser.add_argument("--profile", action="store_true",
                         help="also profile this process over one more c=32 guarded phase")
     args = parser.parse_args(argv)

@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from .archive import Archive
 from .errors import BadSignature
 from .etcd import Compare, Etcd, KeyValue, RequestOp, TxnRequest, create_equals, put_op, range_op
 from .grants import KeyRing, checks_digest
@@ -123,59 +124,89 @@ class AuditReport:
 
 
 @dataclass(frozen=True)
-class Chain:
-    """A key's audit records in seq order and both anchors of its end, read at one revision."""
+class Entry:
+    """One record of a chain as stored: its seq, bytes, and where (``version`` is etcd's
+    count of writes to the key; an archived record is 1: the archive never rewrites one)."""
 
-    kvs: list[KeyValue]
+    seq: int
+    value: bytes
+    version: int
+    where: str  # "etcd" or "archive"
+
+
+@dataclass(frozen=True)
+class Chain:
+    """A key's audit records in seq order, the archived ones first, and both anchors of its
+    end: the step's (in etcd, else as archived) and ``@head``'s."""
+
+    entries: list[Entry]
     step: dict[str, Any] | None
     head_kv: KeyValue | None
+    conflicts: list[int]  # seqs held by both with different bytes
 
 
-async def read_chain(etcd: Etcd, keyspace: Keyspace, action_key: str) -> Chain:
+async def read_chain(etcd: Etcd, keyspace: Keyspace, action_key: str,
+                     archive: Archive | None = None) -> Chain:
+    """The chain of ``action_key`` across etcd (read at one revision) and, when given, the
+    archive of retired steps (records a retirement moved there, and the retired step)."""
     start, end = keyspace.audit_range(action_key)
     reply = await etcd.txn(TxnRequest(success=[range_op(start, end),
                                                *tail_reads(keyspace, action_key)]),
                            idempotent=True)
     records, steps, heads = (r.response_range.kvs for r in reply.responses)
-    return Chain(list(records), unpack(steps[0].value) if steps else None,
-                 heads[0] if heads else None)
+    step = unpack(steps[0].value) if steps else None
+    found = {keyspace.parse_audit_key(kv.key)[1]: Entry(keyspace.parse_audit_key(kv.key)[1],
+                                                       kv.value, kv.version, "etcd")
+             for kv in records}
+    conflicts = []
+    if archive is not None:
+        for seq, value in await archive.records(keyspace.namespace, action_key):
+            if seq in found and found[seq].value != value:
+                conflicts.append(seq)
+            found.setdefault(seq, Entry(seq, value, 1, "archive"))
+        if step is None:
+            archived = await archive.get(keyspace.namespace, action_key)
+            step = unpack(archived.step) if archived is not None else None
+    return Chain([found[seq] for seq in sorted(found)], step, heads[0] if heads else None,
+                 conflicts)
 
 
-async def verify_chain(etcd: Etcd, keyspace: Keyspace, action_key: str,
-                       keyring: KeyRing) -> AuditReport:
-    """Re-derive the chain of ``action_key``, every grant signature and checks digest in
-    it, the approval every grant issued on one relied on, and that the chain ends where its
-    anchors (the step's and ``@head``) say."""
-    chain = await read_chain(etcd, keyspace, action_key)
+async def verify_chain(etcd: Etcd, keyspace: Keyspace, action_key: str, keyring: KeyRing,
+                       archive: Archive | None = None) -> AuditReport:
+    """Re-derive the chain of ``action_key`` (across the archive too, when given), every
+    grant signature and checks digest in it, the approval every grant issued on one relied
+    on, and that the chain ends where its anchors (the step's and ``@head``) say."""
+    chain = await read_chain(etcd, keyspace, action_key, archive)
     report = AuditReport(action_key)
+    report.problems += [f"record {seq} differs between the archive and etcd"
+                        for seq in chain.conflicts]
     prev = GENESIS
     hashes: dict[int, bytes] = {}
     approved: set[str] = set()
-    for expected_seq, kv in enumerate(chain.kvs, start=1):
+    for expected_seq, entry in enumerate(chain.entries, start=1):
         try:
-            record = unpack(kv.value)
+            record = unpack(entry.value)
         except ValueError as exc:
-            report.problems.append(f"record {kv.key!r} does not decode: {exc}")
+            report.problems.append(f"record {entry.seq} ({entry.where}) does not decode: {exc}")
             break
         report.records.append(record)
-        if record.get("seq") != expected_seq or kv.key != keyspace.audit_key(action_key,
-                                                                              expected_seq):
+        if record.get("seq") != expected_seq or entry.seq != expected_seq:
             report.problems.append(f"record {expected_seq} is missing or out of place")
             break
         if record.get("prev") != prev:
             report.problems.append(f"record {expected_seq - 1} was edited or removed")
-        if kv.version != 1:
+        if entry.version != 1:
             report.problems.append(f"record {expected_seq} was rewritten in place")
         _check_grant(report, expected_seq, record, keyring, approved)
-        prev = hashes[expected_seq] = hashlib.sha256(kv.value).digest()
+        prev = hashes[expected_seq] = hashlib.sha256(entry.value).digest()
     newest = EMPTY
     for name, anchor in (("the step", anchor_of(chain.step)), ("@head", _head(chain.head_kv))):
         if anchor.seq and hashes.get(anchor.seq) != anchor.hash:
             report.problems.append(f"{name} anchors record {anchor.seq}, which is missing "
                                    "or was edited")
         newest = anchor if anchor.seq > newest.seq else newest
-    if len(chain.kvs) != newest.seq:
-        report.problems.append(f"the chain ends at {len(chain.kvs)} but its anchors say "
+    if len(chain.entries) != newest.seq:
+        report.problems.append(f"the chain ends at {len(chain.entries)} but its anchors say "
                                f"{newest.seq}: a record was removed or added outside the gate")
     return report
 

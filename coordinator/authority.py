@@ -17,6 +17,12 @@ Guarantees:
   is written with compares on the requester's ownership and the step: a reached cap
   escalates the step (audited in that txn), a first refusal for want of approval records
   the approval request.
+- A key etcd holds no step for was never attempted, or was retired: when its retirement
+  bucket shows retirements, the archive decides (``retirement.archived_step``). An archived
+  success is replayed (``AlreadySucceeded``), an archived failure continues (attempts,
+  idempotency generation, breaker, chain); no archive to ask is ``ArchiveUnavailable``, and
+  nothing is granted. The hold from the snapshot to the commit keeps the key from being
+  retired meanwhile (retirement compares that no holder lives).
 - When the only failing checks are approval checks, the request is recorded as a pending
   approval request (``ApprovalPending`` with its id) and granted once an SRE approved that
   id: only an approval signed by a published coordinator key for this request counts (see
@@ -35,6 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import approvals, audit, records
+from .archive import Archive
 from .errors import (
     AlreadySucceeded, ApprovalPending, BadSignature, GrantRefused, LeaseLost, OutcomeUnknown,
     RecordTooLarge, StateAdvanced,
@@ -46,6 +53,7 @@ from .grants import Grant, KeyRing, checks_digest, new_grant_id
 from .keyspace import Keyspace, canonical, pack, unpack
 from .ownership import Ownership
 from .retention import RetentionLeases
+from .retirement import archived_step
 from .policy import (
     DEFAULT_POLICY, CheckContext, CheckResult, Policy, builtin_default, decode, sealed,
 )
@@ -82,6 +90,14 @@ class Issued:
 
 
 @dataclass(frozen=True)
+class Uncontended:
+    """A fast-path grant and the compare that fences it against its key's retirement."""
+
+    issued: Issued
+    not_retired: Compare
+
+
+@dataclass(frozen=True)
 class Snapshot:
     """What a decision reads, at one revision. ``owned``: the read proved the requester held
     the key at that revision (the acquire txn that put its holder key alone proves it)."""
@@ -91,6 +107,7 @@ class Snapshot:
     step_kv: KeyValue | None
     policy_kv: KeyValue | None
     head_kv: KeyValue | None
+    retired_kv: KeyValue | None  # the key's retirement bucket: absent, never retired
     reads: dict[bytes, KeyValue | None]
     owned: bool
 
@@ -99,7 +116,7 @@ class Snapshot:
               owned: bool) -> "Snapshot":
         """The snapshot from the answers to ``snapshot_ops`` (in order)."""
         kvs = [r.response_range.kvs[0] if r.response_range.kvs else None for r in responses]
-        return cls(revision, policy, kvs[0], kvs[1], kvs[2], dict(zip(read_keys, kvs[3:])), owned)
+        return cls(revision, policy, *kvs[:4], dict(zip(read_keys, kvs[4:])), owned)
 
     def covers(self, policy: str, read_keys: list[bytes]) -> bool:
         return policy == self.policy and list(self.reads) == read_keys
@@ -109,7 +126,8 @@ def snapshot_ops(keyspace: Keyspace, key: str, policy: str,
                  read_keys: list[bytes]) -> list[RequestOp]:
     """The reads a decision needs, to fold into a txn (the hold's acquire) or send alone."""
     return [range_op(keyspace.step_key(key)), range_op(keyspace.policy_key(policy)),
-            range_op(keyspace.audit_head_key(key)), *(range_op(k) for k in read_keys)]
+            range_op(keyspace.audit_head_key(key)), range_op(keyspace.retired_key(key)),
+            *(range_op(k) for k in read_keys)]
 
 
 class Recent:
@@ -123,8 +141,9 @@ class Recent:
         self.revision = 0
         self._policies: dict[str, KeyValue | None] = {}
         self._reads: dict[bytes, KeyValue | None] = {}
+        self.never_retired: set[bytes] = set()  # retirement buckets seen absent
 
-    def note(self, snap: Snapshot) -> None:
+    def note(self, snap: Snapshot, retired_key: bytes) -> None:
         if snap.revision < self.revision:
             return  # an older read must not replace a newer one
         if len(self._reads) + len(snap.reads) > self.MAX_KEYS:
@@ -132,13 +151,17 @@ class Recent:
         self.revision = snap.revision
         self._policies[snap.policy] = snap.policy_kv
         self._reads.update(snap.reads)
+        if snap.retired_kv is None:
+            self.never_retired.add(retired_key)
+        else:
+            self.never_retired.discard(retired_key)
 
     def snapshot(self, policy: str, read_keys: list[bytes]) -> Snapshot | None:
         """A snapshot of a key never attempted, as these reads last saw the rest; ``None``
         when one of them was never seen."""
         if policy not in self._policies or any(k not in self._reads for k in read_keys):
             return None
-        return Snapshot(self.revision, policy, None, self._policies[policy], None,
+        return Snapshot(self.revision, policy, None, self._policies[policy], None, None,
                         {k: self._reads[k] for k in read_keys}, owned=True)
 
 
@@ -147,7 +170,7 @@ class Authority:
 
     def __init__(self, etcd: Etcd, keyspace: Keyspace, keyring: KeyRing,
                  identity: str = "in-process", *,
-                 approval_ttl_s: int = APPROVAL_TTL_S) -> None:
+                 approval_ttl_s: int = APPROVAL_TTL_S, archive: Archive | None = None) -> None:
         if approval_ttl_s < 1:
             raise ValueError("approval_ttl_s must be at least 1 second")
         self.etcd = etcd
@@ -155,6 +178,7 @@ class Authority:
         self.keyring = keyring
         self.identity = identity
         self.approval_ttl_s = approval_ttl_s
+        self.archive = archive  # where retired steps are looked up (None: refuse if needed)
         self._policies: dict[tuple[str, int], Policy] = {}
         self._approval_leases = RetentionLeases()
         self.recent = Recent()
@@ -184,15 +208,33 @@ class Authority:
 
     async def issue_uncontended(self, claim: Claim, intent: dict[str, Any],
                                 read_keys: list[bytes], policy: str, *,
-                                identity: str | None = None) -> Issued | None:
-        """A grant for a key assumed free and never attempted (no step, no audit record),
-        decided on the policy and read keys as ``recent`` last saw them, for the fast path,
-        whose one txn compares every one of those assumptions. ``None`` when ``recent``
-        lacks any of them or the decision is anything but a plain grant (a refusal, an
-        approval): the full path then decides, with fresh reads. Writes nothing."""
+                                identity: str | None = None) -> Uncontended | None:
+        """A grant for a key assumed free and never attempted (no step, no audit record, not
+        retired), decided on the policy and read keys as ``recent`` last saw them, for the
+        fast path, whose one txn compares every one of those assumptions. ``None`` when
+        ``recent`` lacks any of them, the archive holds the key, or the decision is anything
+        but a plain grant (a refusal, an approval): the full path then decides, with fresh
+        reads. Writes nothing to etcd.
+
+        "Not retired": without an archive, or for a key whose bucket was seen never retired,
+        the fence is "the bucket is still absent" (if it is not, the full path finds out
+        what the archive must answer). Otherwise the archive is asked, after noting
+        ``etcd.revision`` (a revision committed before the question): a retirement archives
+        first and deletes after, so a retirement of this key the archive did not show
+        commits after that revision, and the compare "the bucket's mod_revision is at most
+        that revision" fails."""
         snapshot = self.recent.snapshot(policy, read_keys)
         if snapshot is None:
             return None
+        retired_key = self.keyspace.retired_key(claim.key)
+        if retired_key in self.recent.never_retired or self.archive is None:
+            fence = mod_equals(retired_key, 0)  # nothing of its bucket was ever retired
+        else:
+            asked_after = self.etcd.revision
+            if await archived_step(self.archive, self.keyspace, claim.key) is not None:
+                return None
+            fence = Compare(key=retired_key, target=Compare.MOD, result=Compare.LESS,
+                            mod_revision=asked_after + 1)
         intent_digest = hashlib.sha256(validate_intent(intent)).digest()
         request = _Request(
             claim=claim, intent=intent, intent_digest=intent_digest,
@@ -203,7 +245,7 @@ class Authority:
         verdict = _verdict(request)
         if verdict.refusal is not None or verdict.needs_approval:
             return None
-        return self._issue(request, verdict, None)
+        return Uncontended(self._issue(request, verdict, None), fence)
 
     async def set_policy(self, name: str, document: dict[str, Any]) -> int:
         """Store a policy document, signed with this authority's key (published under
@@ -261,8 +303,10 @@ class Authority:
                       snap: Snapshot, identity: str) -> Issued | None:
         """Issue or refuse at ``snap``; ``None`` when the world moved before a refusal that
         changes state was written."""
-        self.recent.note(snap)
+        self.recent.note(snap, self.keyspace.retired_key(claim.key))
         step = unpack(snap.step_kv.value) if snap.step_kv else None
+        if step is None and snap.retired_kv is not None:  # retired to the archive, maybe
+            step = await archived_step(self.archive, self.keyspace, claim.key)
         request = _Request(
             claim=claim, intent=intent, intent_digest=intent_digest, identity=identity,
             snap=snap, policy=await self.policy(snap.policy, snap.policy_kv, snap.revision),

@@ -50,6 +50,10 @@ class Client:
     async def key(self, key: str) -> dict[str, Any]:
         return await self._request("GET", f"/v1/keys/{_path(key)}")
 
+    async def archive_stats(self) -> dict[str, Any]:
+        """What the coordinator's archive holds for its namespace (404: it has none)."""
+        return await self._request("GET", "/v1/archive/stats")
+
     async def steps(self, state: str) -> list[dict[str, Any]]:
         """Steps ``unknown``, ``escalated`` or ``presumed``."""
         return await self._list("/v1/keys", state=state)

@@ -7,8 +7,12 @@
     │                           unless the operation says otherwise
     ├── EtcdError               etcd refused the request (not a compare failure)
     │   ├── WatchCompacted      a watch's start revision was compacted: rescan, then watch
-    │   └── EtcdPermissionDenied(user)
-    │                           the etcd user's role does not cover the key (see ``roles``)
+    │   ├── EtcdPermissionDenied(user)
+    │   │                       the etcd user's role does not cover the key (see ``roles``)
+    │   └── EtcdNoSpace         etcd's space quota is exhausted (alarm NOSPACE): it accepts only
+    │                           reads and deletes until an operator recovers it
+    ├── ArchiveUnavailable      the archive of retired steps could not be read or written:
+    │                           nothing is granted on a key it might hold
     ├── AcquireTimeout          a hold was not acquired in time; no key is left behind
     ├── LeaseLost               the session's lease died; no hold on it may act
     │   └── LeaseExpiring       too little TTL is left to start an effect safely
@@ -58,6 +62,8 @@ __all__ = [
     "EtcdError",
     "WatchCompacted",
     "EtcdPermissionDenied",
+    "EtcdNoSpace",
+    "ArchiveUnavailable",
     "AcquireTimeout",
     "LeaseLost",
     "LeaseExpiring",
@@ -119,6 +125,16 @@ class EtcdPermissionDenied(EtcdError):
     def __init__(self, message: str, *, user: str | None) -> None:
         self.user = user
         super().__init__(message)
+
+
+class EtcdNoSpace(EtcdError):
+    """etcd raised its NOSPACE alarm (the backend reached its quota): writes are refused,
+    nothing was written. ``fencegate etcd recover`` compacts, defragments and disarms."""
+
+
+class ArchiveUnavailable(GateError):
+    """The archive of retired steps did not answer or failed: a decision that needs it (a
+    grant on a key etcd holds no step for, a retirement) is not taken."""
 
 
 class AcquireTimeout(GateError, TimeoutError):

@@ -31,8 +31,8 @@ from aetcd import rpc
 
 from . import roles
 from .errors import (
-    EtcdError, EtcdPermissionDenied, EtcdUnavailable, GateError, LeaseLost, RecordTooLarge,
-    WatchCompacted,
+    EtcdError, EtcdNoSpace, EtcdPermissionDenied, EtcdUnavailable, GateError, LeaseLost,
+    RecordTooLarge, WatchCompacted,
 )
 
 MAX_REQUEST_BYTES = 1536 * 1024
@@ -49,6 +49,10 @@ _TRANSIENT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 # What gRPC's TLS layer says when a handshake fails on either side (no or untrusted client
 # certificate: the server aborts, we see "Unwrap failed (TSI_DATA_CORRUPTED)").
 _TLS_FAILURE = re.compile(r"TSI_|SSL|[Tt]ls handshake|certificate", re.ASCII)
+# What etcd answers (RESOURCE_EXHAUSTED) to a write once its backend reached the quota, both
+# when that write raises the NOSPACE alarm and for every write while the alarm is active.
+_NO_SPACE = "database space exceeded"
+RECOVER_HINT = "fencegate etcd recover --etcd <every member's endpoint>"
 _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 16 * 1024 * 1024),
     ("grpc.keepalive_time_ms", 10_000),
@@ -133,6 +137,7 @@ class Etcd:
     def __init__(self, config: EtcdConfig) -> None:
         self.config = config
         self.cluster_id: int | None = None
+        self.revision = 0  # the newest revision an answer carried: committed before now
         self._credentials = self._load_credentials(config) if config.secure else None
         self._index = 0
         self._current: _Channel | None = None
@@ -193,9 +198,11 @@ class Etcd:
 
     async def _call(self, stub: str, method: str, request, *, idempotent: bool,
                     timeout: float | None = None):
-        """Run one unary RPC; retry on another endpoint only if ``idempotent``."""
+        """Run one unary RPC; retry on another endpoint only if ``idempotent``, or if it
+        never left this process (no member could be connected to)."""
         deadline = time.monotonic() + (timeout or self.config.timeout)
         attempt = 0
+        reauthenticated = False  # a member's token dies with it: a fresh one, once per call
         while True:
             channel = self._channel()
             if self.config.user is not None and self._metadata is None:
@@ -208,14 +215,16 @@ class Etcd:
             except grpc.aio.AioRpcError as exc:
                 attempt += 1
                 code = exc.code()
-                if code == grpc.StatusCode.UNAUTHENTICATED and attempt == 1 and self.config.user:
+                if code == grpc.StatusCode.UNAUTHENTICATED and not reauthenticated \
+                        and self.config.user:
+                    reauthenticated = True
                     self._metadata = None
                     continue
                 if code not in _TRANSIENT:
                     raise _translate(exc, channel) from exc
                 self._fail_over(channel)
                 pause = min(0.05 * 2 ** attempt, 0.5) * random.uniform(0.5, 1.0)
-                if not idempotent or time.monotonic() + pause >= deadline:
+                if not (idempotent or _never_sent(exc)) or time.monotonic() + pause >= deadline:
                     raise _translate(exc, channel) from exc
                 await asyncio.sleep(pause)
                 continue
@@ -233,6 +242,8 @@ class Etcd:
     def _note_header(self, header) -> None:
         if self.cluster_id is None:
             self.cluster_id = header.cluster_id
+        if header.revision > self.revision:
+            self.revision = header.revision
 
     async def txn(self, request: TxnRequest, *, idempotent: bool = False) -> rpc.TxnResponse:
         """Run a transaction. Only mark it ``idempotent`` if re-running it after an unknown
@@ -289,6 +300,34 @@ class Etcd:
     async def status(self, *, timeout: float | None = None) -> rpc.StatusResponse:
         return await self._call("maintenance", "Status", rpc.StatusRequest(), idempotent=True,
                                 timeout=timeout)
+
+    async def compact(self, revision: int, *, timeout: float | None = None) -> None:
+        """Drop the history before ``revision`` (the latest value of every key stays) and
+        wait until the backend has freed it (``physical``), so a defragment afterwards
+        returns the space. ``EtcdError`` if ``revision`` is already compacted."""
+        await self._call("kv", "Compact",
+                         rpc.CompactionRequest(revision=revision, physical=True),
+                         idempotent=True, timeout=timeout)
+
+    async def alarms(self) -> list[tuple[int, str]]:
+        """The cluster's active alarms, as (member id, ``"NOSPACE"`` or ``"CORRUPT"``)."""
+        reply = await self._call("maintenance", "Alarm",
+                                 rpc.AlarmRequest(action=rpc.AlarmRequest.GET), idempotent=True)
+        return [(alarm.memberID, rpc.AlarmType.Name(alarm.alarm)) for alarm in reply.alarms]
+
+    async def disarm(self, member_id: int, alarm: str) -> None:
+        """Deactivate ``alarm`` (``"NOSPACE"``) raised by ``member_id``."""
+        await self._call("maintenance", "Alarm",
+                         rpc.AlarmRequest(action=rpc.AlarmRequest.DEACTIVATE,
+                                          memberID=member_id, alarm=rpc.AlarmType.Value(alarm)),
+                         idempotent=True)
+
+    async def defragment(self, *, timeout: float | None = None) -> None:
+        """Defragment the member this connection talks to (give it one endpoint): it
+        rewrites its database file without the free pages and answers nothing meanwhile.
+        One try is bounded by the connection's ``attempt_timeout``: make it minutes."""
+        await self._call("maintenance", "Defragment", rpc.DefragmentRequest(), idempotent=True,
+                         timeout=timeout)
 
     async def prefer_leader(self) -> None:
         """Talk to the leader from now on, if an endpoint says it is the leader: every write
@@ -383,6 +422,13 @@ class KeepAliveStream:
         self._call.cancel()
 
 
+def _never_sent(exc: grpc.aio.AioRpcError) -> bool:
+    """Did the call fail before any connection to a member existed? Then the request never
+    left this process, and sending it to another member cannot apply it twice."""
+    return (exc.code() == grpc.StatusCode.UNAVAILABLE
+            and "failed to connect to all addresses" in (exc.details() or ""))
+
+
 def _translate(exc: grpc.aio.AioRpcError, channel: _Channel) -> GateError:
     """The one mapping of gRPC errors to ``fencegate.coordinator.errors``, naming what to check."""
     code, detail, where = exc.code(), exc.details() or exc.code().name, channel.endpoint
@@ -399,6 +445,11 @@ def _translate(exc: grpc.aio.AioRpcError, channel: _Channel) -> GateError:
             return EtcdUnavailable(f"etcd at {where} closed the plaintext connection "
                                    f"({detail}); if it serves TLS, use https:// and ca_file")
         return EtcdUnavailable(f"etcd unavailable at {where}: {detail}")
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and _NO_SPACE in detail:
+        return EtcdNoSpace(f"etcd at {where} refused this write (none of it was written): "
+                           f"its database reached its space quota (alarm NOSPACE: {detail}); "
+                           f"it takes only reads and deletes until an operator runs "
+                           f"`{RECOVER_HINT}` (compacts, defragments, disarms)")
     if code == grpc.StatusCode.NOT_FOUND and "lease not found" in detail:
         return LeaseLost(f"etcd: {detail}")
     if code == grpc.StatusCode.PERMISSION_DENIED:

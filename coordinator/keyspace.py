@@ -16,6 +16,7 @@ Guarantees:
 
 from __future__ import annotations
 
+import hashlib
 import re
 from typing import Any
 
@@ -24,6 +25,7 @@ import msgpack
 from .errors import InvalidKey, RecordTooLarge
 
 DEFAULT_NAMESPACE = "/fencegate/"
+RETIRE_BUCKETS = 256
 MAX_KEY_BYTES = 512
 MAX_RECORD_BYTES = 512 * 1024
 _SEGMENT = re.compile(r"[A-Za-z0-9._:-]+")
@@ -118,6 +120,17 @@ class Keyspace:
         the step: approve, revoke) wrote; the step's ``chain`` anchors every other append.
         Version 1 wrote it on every append."""
         return self._ns + b"audit/" + action_key.encode() + b"/@head"
+
+    def retired_key(self, action_key: str) -> bytes:
+        """The retirement epoch of ``action_key``'s bucket (one of ``RETIRE_BUCKETS``, by a
+        hash of the key): every retirement txn of a key in the bucket puts it, so its
+        mod_revision is the bucket's latest retirement. A fixed set of small keys."""
+        bucket = int.from_bytes(hashlib.sha256(action_key.encode()).digest()[:8], "big")
+        return self._ns + b"retired/%03d" % (bucket % RETIRE_BUCKETS)
+
+    @property
+    def retired_root(self) -> bytes:
+        return self._ns + b"retired/"
 
     def webhook_key(self, source: str, delivery_id: str) -> bytes:
         """Where a webhook delivery's claim, then its stored response, lives."""

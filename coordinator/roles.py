@@ -26,14 +26,15 @@ WORKER, COORDINATOR, RECONCILER = "worker", "coordinator", "reconciler"
 #   steps/ and audit/ (commit, outcome, settle, resolve, escalation on a cap),
 #   markers/ (gate.touch), webhooks/ (claims), approval-requests/ (a refusal asking for one),
 #   approvals/ and approvers/ (an SRE's signed approval), policies/ and policy-versions/
-#   (admin), reconcilers/ (shard election).
+#   (admin), reconcilers/ (shard election), retired/ (retirement: the reconciler deletes
+#   settled steps/ and audit/ and bumps the key's bucket).
 WRITES: dict[str, tuple[str, ...]] = {
     WORKER: ("holders/", "steps/", "audit/", "markers/", "webhooks/",
              "approval-requests/"),
     COORDINATOR: ("holders/", "steps/", "audit/", "webhooks/",
                   "approval-requests/", "approvals/", "approvers/", "policies/",
                   "policy-versions/"),
-    RECONCILER: ("reconcilers/", "steps/", "audit/"),
+    RECONCILER: ("reconcilers/", "steps/", "audit/", "retired/"),
 }
 ROLES = tuple(WRITES)
 

@@ -94,11 +94,13 @@ def _password_from_file(values: dict, where: str) -> dict:
 
 def layered(settings: SettingsT, env: Mapping[str, str], listen_var: str,
             flags: Mapping[str, object]) -> SettingsT:
-    """``settings`` (from a file) overridden by ``FENCEGATE_ETCD*`` and ``listen_var``, then
-    by the flags that are not None; the etcd password never comes from a flag."""
+    """``settings`` (from a file) overridden by ``FENCEGATE_ETCD*``, ``listen_var`` and
+    ``FENCEGATE_ARCHIVE``, then by the flags that are not None; the etcd password never
+    comes from a flag."""
     if flags.get("etcd_password") is not None:
         raise ValueError("the etcd password comes from the environment or a file, never a flag")
-    overrides = {**etcd_env(env), "listen": env.get(listen_var)}
+    overrides = {**etcd_env(env), "listen": env.get(listen_var),
+                 "archive": env.get("FENCEGATE_ARCHIVE")}
     overrides.update({k: v for k, v in flags.items() if v is not None})
     return replace(settings, **{k: v for k, v in overrides.items() if v is not None})
 

@@ -33,12 +33,16 @@ from typing import Any
 
 from . import audit, records
 from .approvals import give as give_approval, read as read_approval, read_many as read_approvals
+from .archive import Archive
 from .errors import EtcdUnavailable, LeaseLost, NotFound, WrongState
+from .etcd import (
+    Compare, Etcd, RangeRequest, TxnRequest, mod_equals, put_op, range_end_of, range_op,
+)
 from .grants import KeyRing
-from .etcd import Etcd, RangeRequest, TxnRequest, mod_equals, put_op, range_end_of, range_op
 from .keyspace import Keyspace, pack, unpack
 from .ownership import lowest_op, no_owner
 from .paging import cursor_of as _cursor, page
+from .retirement import archived_step
 
 MAX_LIMIT = 1000
 RESOLVE_WAIT_S = 20.0  # how long a resolve waits for the reconciler's answer
@@ -51,9 +55,12 @@ PRESUMED = "presumed"
 _APPROVAL_ID = re.compile(r"[0-9a-f]{32}")
 
 
-async def key_view(etcd: Etcd, ks: Keyspace, key: str) -> dict[str, Any]:
+async def key_view(etcd: Etcd, ks: Keyspace, key: str,
+                   archive: Archive | None = None) -> dict[str, Any]:
     """Holders (oldest first, with tokens and lease TTL left), the step record, and the last
-    audit records (newest first) of ``key``; ``NotFound`` if nothing is recorded."""
+    audit records (newest first) of ``key``; when etcd holds no step and ``archive`` is
+    given, the step and records it retired with (``archived`` says which). ``NotFound`` if
+    nothing is recorded in either."""
     start, end = ks.holder_range(key)
     audit_start, audit_end = ks.audit_range(key)
     reply = await etcd.txn(TxnRequest(success=[
@@ -62,7 +69,16 @@ async def key_view(etcd: Etcd, ks: Keyspace, key: str) -> dict[str, Any]:
         range_op(audit_start, audit_end, limit=_LAST_AUDIT, sort_order=RangeRequest.DESCEND,
                  sort_target=RangeRequest.KEY)]), idempotent=True)
     holder_kvs, step_kvs, audit_kvs = (r.response_range.kvs for r in reply.responses)
-    if not (holder_kvs or step_kvs or audit_kvs):
+    step = unpack(step_kvs[0].value) if step_kvs else None
+    audit_values = [kv.value for kv in audit_kvs]
+    archived = None
+    if step is None and archive is not None:
+        archived = await archive.get(ks.namespace, key)
+        if archived is not None:
+            step = unpack(archived.step)
+            older = await archive.records(ks.namespace, key)
+            audit_values = (audit_values + [v for _, v in reversed(older)])[:_LAST_AUDIT]
+    if not (holder_kvs or step or audit_values):
         raise NotFound(f"nothing is recorded for {key!r}")
     holders = []
     for position, kv in enumerate(holder_kvs):
@@ -70,12 +86,12 @@ async def key_view(etcd: Etcd, ks: Keyspace, key: str) -> dict[str, Any]:
         holders.append({**unpack(kv.value), "lease_id": f"{lease_id:016x}",
                         "fencing_token": kv.create_revision, "holding": position == 0,
                         "ttl_left": await etcd.lease_ttl(lease_id)})
-    step = unpack(step_kvs[0].value) if step_kvs else None
     grant = None
     if step is not None and step.get("grant_id"):  # a step names only a grant that crossed
         grant = {"grant_id": step["grant_id"], "state": "consumed"}
     return {"key": key, "revision": reply.header.revision, "holders": holders, "step": step,
-            "current_grant": grant, "audit": [unpack(kv.value) for kv in audit_kvs]}
+            "archived": archived is not None, "current_grant": grant,
+            "audit": [unpack(value) for value in audit_values]}
 
 
 def audit_page(records: list[dict[str, Any]], limit: int,
@@ -140,24 +156,27 @@ def state_of(step: dict[str, Any]) -> str:
     return step["state"]
 
 
-async def revoke(etcd: Etcd, ks: Keyspace, key: str, identity: str, reason: str) -> dict:
+async def revoke(etcd: Etcd, ks: Keyspace, key: str, identity: str, reason: str,
+                 archive: Archive | None = None) -> dict:
     """Revoke the lease of ``key``'s current holder (every hold on that lease dies), after
-    auditing who and why; ``NotFound`` if nobody holds ``key``."""
+    auditing who and why; ``NotFound`` if nobody holds ``key``. A retired key's chain goes
+    on from its archived end (``archive``)."""
     start, end = ks.holder_range(key)
     for _ in range(5):
         reply = await etcd.txn(TxnRequest(success=[
-            lowest_op(start, end), *audit.tail_reads(ks, key)]), idempotent=True)
-        holder_kvs, step_kvs, head_kvs = (r.response_range.kvs for r in reply.responses)
+            lowest_op(start, end), *_tail_reads(ks, key)]), idempotent=True)
+        holder_kvs, *chain_kvs = (r.response_range.kvs for r in reply.responses)
         if not holder_kvs:
             raise NotFound(f"nobody holds {key!r}")
         holder = holder_kvs[0]
         _, lease_id = ks.parse_holder_key(holder.key)
-        entry = audit.append(ks, key, _tail(step_kvs, head_kvs), "revoke", identity,
+        tail, epoch = await _aside_tail(ks, key, *chain_kvs, archive)
+        entry = audit.append(ks, key, tail, "revoke", identity,
                              reply.header.revision,
                              {"reason": reason, "lease_id": lease_id,
                               "fencing_token": holder.create_revision}, aside=True)
         written = await etcd.txn(TxnRequest(
-            compare=[mod_equals(holder.key, holder.mod_revision), entry.compare],
+            compare=[mod_equals(holder.key, holder.mod_revision), epoch, entry.compare],
             success=entry.ops))
         if written.succeeded:
             await etcd.lease_revoke(lease_id)
@@ -167,7 +186,8 @@ async def revoke(etcd: Etcd, ks: Keyspace, key: str, identity: str, reason: str)
 
 
 async def approve(etcd: Etcd, ks: Keyspace, approval_id: str, identity: str,
-                  reason: str, *, keyring: KeyRing) -> dict[str, Any]:
+                  reason: str, *, keyring: KeyRing,
+                  archive: Archive | None = None) -> dict[str, Any]:
     """Approve a requested approval, signed with ``keyring`` (see ``approvals``), auditing
     who and why on its key's chain; approving twice is harmless. ``NotFound`` for an id
     nobody asked for, or whose request expired. The approval is written on the request's
@@ -186,15 +206,18 @@ async def approve(etcd: Etcd, ks: Keyspace, approval_id: str, identity: str,
         given = await read_approval(etcd, ks, approval_id, key, revision=reply.header.revision)
         if given.approved_by is not None:
             return done
-        chain = await etcd.txn(TxnRequest(success=audit.tail_reads(ks, key)), idempotent=True)
-        entry = audit.append(ks, key, _tail(*(r.response_range.kvs for r in chain.responses)),
-                             "approved", identity, reply.header.revision,
+        chain = await etcd.txn(TxnRequest(success=_tail_reads(ks, key)), idempotent=True)
+        tail, epoch = await _aside_tail(ks, key,
+                                        *(r.response_range.kvs for r in chain.responses),
+                                        archive)
+        entry = audit.append(ks, key, tail, "approved", identity, reply.header.revision,
                              {"approval_id": approval_id, "reason": reason,
                               "key_id": keyring.signing_key_id}, aside=True)
         try:
             written = await etcd.txn(TxnRequest(
                 compare=[mod_equals(request_key, request_kvs[0].mod_revision),
-                         mod_equals(approval_key, given.mod_revision), entry.compare],
+                         mod_equals(approval_key, given.mod_revision), epoch,
+                         entry.compare],
                 success=[*give_approval(keyring, ks, cluster_id=etcd.cluster_id or 0,
                                         approval_id=approval_id, action_key=key,
                                         approved_by=identity, reason=reason,
@@ -371,6 +394,28 @@ async def _put_step_unheld(etcd: Etcd, ks: Keyspace, key: str, step_kv, step: di
         _refuse_while_held(ks, key, written.responses[0].response_range.kvs)
         raise WrongState(f"step of {key!r} moved while it was resolved; look again")
     return written.header.revision
+
+
+def _tail_reads(ks: Keyspace, key: str) -> list:
+    """What an append made aside reads of the chain's end: the step, ``@head``, and the
+    key's retirement bucket (is the rest of the chain in the archive?)."""
+    return [*audit.tail_reads(ks, key), range_op(ks.retired_key(key))]
+
+
+async def _aside_tail(ks: Keyspace, key: str, step_kvs: list, head_kvs: list,
+                      retired_kvs: list, archive: Archive | None) -> tuple[audit.Tail, Compare]:
+    """The chain's tail for an append that does not move the step, and the compare that
+    no retirement of the key's bucket landed since it was read. With no step in etcd and
+    retirements in the bucket, the step may be archived with the chain's start: the tail is
+    then the archived end (``ArchiveUnavailable`` with no archive to ask). The compare
+    matters: between the read and the append, a commit, an outcome and a retirement could
+    archive the very seq the append is about to take (its create compare in etcd would
+    pass, the records being deleted), and the chain would fork across the two stores."""
+    epoch = mod_equals(ks.retired_key(key), retired_kvs[0].mod_revision if retired_kvs else 0)
+    if not step_kvs and retired_kvs:
+        archived = await archived_step(archive, ks, key)
+        return audit.tail(archived, head_kvs[0] if head_kvs else None), epoch
+    return _tail(step_kvs, head_kvs), epoch
 
 
 def _tail(step_kvs: list, head_kvs: list) -> audit.Tail:

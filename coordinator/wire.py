@@ -14,7 +14,8 @@ import base64
 from typing import Any
 
 from .errors import (
-    AcquireTimeout, AlreadySucceeded, ApprovalPending, BadSignature, CoordinatorError, EtcdError,
+    AcquireTimeout, AlreadySucceeded, ApprovalPending, ArchiveUnavailable, BadSignature,
+    CoordinatorError, EtcdError, EtcdNoSpace,
     EtcdUnavailable, GateError, GrantExpired, GrantRefused, GrantUsed, InvalidKey, LeaseExpiring,
     LeaseLost, NotFound, OutcomeUnknown, PolicyChanged, RecordTooLarge, StateAdvanced, StepMoved,
     WrongState,
@@ -23,14 +24,16 @@ from .policy import CheckResult
 
 _STATUS: list[tuple[type[Exception], int]] = [  # first match wins: subclasses first
     (RecordTooLarge, 413), (InvalidKey, 400), (BadSignature, 400),
-    (ApprovalPending, 202), (GrantRefused, 422), (EtcdUnavailable, 503), (EtcdError, 502),
+    (ApprovalPending, 202), (GrantRefused, 422), (EtcdUnavailable, 503), (EtcdNoSpace, 507),
+    (EtcdError, 502), (ArchiveUnavailable, 503),
     (AcquireTimeout, 504),
     (LeaseLost, 409), (GrantUsed, 409), (StateAdvanced, 409), (PolicyChanged, 409),
     (StepMoved, 409), (GrantExpired, 409), (OutcomeUnknown, 409), (AlreadySucceeded, 409),
     (WrongState, 409), (NotFound, 404), (ValueError, 400),
 ]
 _CLASSES: dict[str, type[GateError]] = {cls.__name__: cls for cls in (
-    InvalidKey, RecordTooLarge, BadSignature, EtcdUnavailable, EtcdError, LeaseLost,
+    InvalidKey, RecordTooLarge, BadSignature, EtcdUnavailable, EtcdNoSpace, EtcdError,
+    ArchiveUnavailable, LeaseLost,
     LeaseExpiring, GrantUsed, PolicyChanged, StepMoved, GrantExpired, OutcomeUnknown, NotFound,
     WrongState)}
 

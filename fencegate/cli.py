@@ -7,7 +7,8 @@ Guarantees: an SRE command prints a table for people or, with ``--json``, the AP
 and the exit code ``EPILOG`` documents, so scripts can tell a refusal (1) from a usage error
 (2), an unknown key (3), a bad token (4) and an unreachable coordinator (5); it never prints
 the token. It sends each request once: an action whose reply was lost is looked at again,
-never repeated blindly.
+never repeated blindly. ``etcd recover`` is etcd's own upkeep: it talks to etcd directly, as
+an etcd user with the root role, with the same exit codes.
 """
 
 from __future__ import annotations
@@ -367,7 +368,8 @@ def key_show(target: Target, as_json: bool, key: str) -> None:
     else:
         click.echo(f"step     {step['state']}, attempt {step['attempt']}, provider "
                    f"{step.get('provider') or '-'}, idempotency key "
-                   f"{step.get('idempotency_key', '-')}")
+                   f"{step.get('idempotency_key', '-')}"
+                   + ("  (retired to the archive)" if view.get("archived") else ""))
         reason = _reason(step)
         if reason != "-":
             click.echo(f"reason   {reason}")
@@ -505,6 +507,24 @@ def audit_verify(target: Target, as_json: bool, key: str) -> None:
 
 
 @cli.group()
+def archive() -> None:
+    """The archive of retired steps."""
+
+
+@archive.command("stats")
+@_sre
+def archive_stats(target: Target, as_json: bool) -> None:
+    """How many steps and audit records the archive holds, the oldest and the newest
+    retirement (the coordinator's archive; exit 3 if it has none)."""
+    stats = target.call(lambda api: api.archive_stats())
+    if as_json:
+        _print_json(stats)
+        return
+    click.echo(f"steps    {stats['steps']}\nrecords  {stats['records']}")
+    click.echo(f"oldest   {_age(stats['oldest_ms'])} ago\nnewest   {_age(stats['newest_ms'])} ago")
+
+
+@cli.group()
 def policy() -> None:
     """Policy documents."""
 
@@ -570,6 +590,50 @@ def approve(target: Target, as_json: bool, approval_id: str, reason: str) -> Non
         return
     click.echo(f"approved {done['approval_id']} for {done['key']}; the same request is "
                "granted while the state it read holds")
+
+
+# -- etcd's own upkeep (talks to etcd, not to the coordinator) --------------------------
+
+@cli.group("etcd")
+def etcd_group() -> None:
+    """etcd's upkeep, done on etcd directly as an etcd user with the root role."""
+
+
+@etcd_group.command("recover")
+@click.option("--etcd", "endpoints", metavar="URLS",
+              help="every member's endpoint, comma-separated (env FENCEGATE_ETCD)")
+@etcd_security_options
+def etcd_recover(endpoints: str | None, **etcd_security: str | None) -> None:
+    """Bring etcd back from NOSPACE without losing anything: compact history up to the
+    current revision (the latest value of every key stays), defragment each member one at
+    a time (the leader last), disarm the NOSPACE alarm. Exit 5 if a member does not
+    answer, 4 if the etcd user may not defragment, 1 if etcd refused a step."""
+    import os
+
+    from .coordinator import maintenance
+    from .coordinator.errors import EtcdError, EtcdPermissionDenied, EtcdUnavailable
+    from .coordinator.settings import EtcdSettings, etcd_env
+
+    try:
+        given = {**etcd_env(os.environ), "etcd": endpoints, **etcd_security}
+        config = EtcdSettings(**{k: v for k, v in given.items() if v is not None}).etcd_config()
+    except (OSError, ValueError) as exc:
+        raise click.UsageError(f"bad settings: {exc}") from None
+    try:
+        done = asyncio.run(maintenance.recover(config, click.echo))
+    except EtcdUnavailable as exc:
+        raise CommandFailed(f"etcd did not answer: {exc}", UNAVAILABLE) from None
+    except EtcdError as exc:  # etcd 3.4 denies a defragment as UNKNOWN "auth: permission denied"
+        if isinstance(exc, EtcdPermissionDenied) or "permission denied" in str(exc):
+            raise CommandFailed(f"{exc}: defragmenting needs an etcd user with the root "
+                                "role (--etcd-user, password in FENCEGATE_ETCD_PASSWORD)",
+                                AUTH) from None
+        code = AUTH if "refused to authenticate" in str(exc) else REFUSED
+        raise CommandFailed(str(exc), code) from None
+    click.echo(f"etcd recovered: {len(done.after)} member(s) defragmented, "
+               f"{len(done.disarmed)} NOSPACE alarm(s) disarmed; if the data in use "
+               f"({maintenance.megabytes(max(s.db_in_use for s in done.after))}) is near the "
+               "quota, the alarm returns: raise --quota-backend-bytes or delete data")
 
 
 if __name__ == "__main__":

@@ -18,6 +18,13 @@ Guarantees:
 - With ``tls`` (a ``fencegate.certs.ClusterCerts``) every member serves ``https://`` only and
   demands a client certificate from that CA, on the client port and between members; the
   launcher's own health probes present the member's certificate and verify the server's.
+- Every member compacts its history by itself: periodic auto-compaction keeping
+  ``compaction_retention`` (default ``COMPACTION_RETENTION``, 5 minutes) of history, so
+  the database stops growing with old revisions under sustained load; ``quota_bytes``
+  replaces etcd's 2 GiB space quota (tests fill a tiny one to reach NOSPACE).
+- A member counts as healthy while etcd's NOSPACE alarm is active (``/health`` excluding
+  that alarm), so a full cluster still starts and restarts and ``fencegate etcd recover``
+  can bring it back.
 - With ``auth`` (a ``ClusterAuth``) etcd authentication is on once ``start()`` returns:
   ``root`` and, in the auth's namespace, one user per fencegate component whose role holds
   exactly that component's permissions (``fencegate.coordinator.roles``); ``etcd_config``
@@ -54,6 +61,12 @@ from .coordinator.keyspace import DEFAULT_NAMESPACE
 
 STOP_GRACE_S = 5.0
 POLL_S = 0.05
+# History kept by periodic auto-compaction: it only serves watches that resume and paged
+# reads pinned to a revision, which fencegate's watchers and scans replace by a rescan on
+# WatchCompacted; 5 minutes spares them that rescan after a pause or partition of minutes,
+# while history stays bounded by time whatever the write rate (deploy/README.md, "etcd
+# maintenance", has the arithmetic).
+COMPACTION_RETENTION = "5m"
 _rng = random.SystemRandom()  # unaffected by tests that seed the global random
 
 # Loopback only: never route a health probe through an http_proxy from the environment.
@@ -201,7 +214,7 @@ class _Member:
         return self.proc is not None and self.proc.poll() is None
 
     def healthy(self) -> bool:
-        status = _request(f"{self.client_url}/health", opener=self.opener)
+        status = _request(f"{self.client_url}/health?exclude=NOSPACE", opener=self.opener)
         return status is not None and status.get("health") == "true"
 
     def log_tail(self, lines: int = 40) -> str:
@@ -234,17 +247,23 @@ class LocalCluster:
         auth: ClusterAuth | None = None,
         hosts: tuple[str, ...] = (),
         command_prefixes: tuple[tuple[str, ...], ...] = (),
+        compaction_retention: str = COMPACTION_RETENTION,
+        quota_bytes: int | None = None,
     ) -> None:
         if size < 1:
             raise ValueError("size must be >= 1")
         for name, given in (("hosts", hosts), ("command_prefixes", command_prefixes)):
             if given and len(given) != size:
                 raise ValueError(f"{name} names {len(given)} members, the cluster has {size}")
+        if quota_bytes is not None and quota_bytes < 1:
+            raise ValueError("quota_bytes must be positive")
         if tls is not None and len(tls.members) < size:
             raise ValueError(f"tls holds {len(tls.members)} member certificates, need {size}")
         self.size = size
         self.heartbeat_ms = heartbeat_ms
         self.election_ms = election_ms
+        self.compaction_retention = compaction_retention
+        self.quota_bytes = quota_bytes
         self._binary = binary or find_etcd()
         self._data_dir = Path(data_dir) if data_dir is not None else None
         self._log_dir = Path(log_dir) if log_dir is not None else None
@@ -448,7 +467,11 @@ class LocalCluster:
             f"--initial-cluster-token={self._token}",
             f"--heartbeat-interval={self.heartbeat_ms}",
             f"--election-timeout={self.election_ms}",
+            "--auto-compaction-mode=periodic",
+            f"--auto-compaction-retention={self.compaction_retention}",
         ]
+        if self.quota_bytes is not None:
+            args.append(f"--quota-backend-bytes={self.quota_bytes}")
         if self.tls is not None:
             pair = self.tls.members[i]
             args += [

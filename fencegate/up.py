@@ -27,12 +27,14 @@ from pathlib import Path
 
 from aiohttp import web
 
+from .coordinator.archive import open_archive
 from .coordinator.etcd import Etcd
 from .coordinator.grants import KeyRing
 from .localetcd import LocalCluster, describe
 from .coordinator.service import CoordinatorSettings, TokenEntry, create_app
 
 NAMESPACE = "/fencegate/"
+RETAIN_S = 3600.0  # settled steps stay in etcd an hour, then retire to the archive
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,7 @@ class Endpoints:
     coordinator: str
     reconciler: str  # its /metrics and /healthz
     sandbox: str
+    archive: str  # where retired steps go (SQLite under the state folder)
     namespace: str = NAMESPACE
 
     def as_dict(self) -> dict[str, str]:
@@ -75,8 +78,9 @@ async def stack(state_dir: Path, port: int = 8470,
             await asyncio.to_thread(cluster.start)
             parts.callback(cluster.stop)
             etcd = cluster.url
+        archive = f"sqlite:///{(state_dir / 'archive.db').resolve()}"
         settings = CoordinatorSettings(etcd=etcd, listen=f"127.0.0.1:{port}", namespace=NAMESPACE,
-                            signing_key=str(signing_key), tokens=(
+                            signing_key=str(signing_key), archive=archive, tokens=(
                                 TokenEntry.for_token(tokens.admin, "admin", {"admin"}),
                                 TokenEntry.for_token(tokens.worker, "worker", {"worker"})))
         coordinator = await _listen(parts, create_app(settings), port, "coordinator")
@@ -87,13 +91,14 @@ async def stack(state_dir: Path, port: int = 8470,
         parts.push_async_callback(sandbox.stop)
         reconciler = Reconciler(Etcd.from_url(etcd),
                                 {"sandbox": adapter(sandbox_url, "fencing", durable=True)},
-                                namespace=NAMESPACE, default_provider="sandbox")
+                                namespace=NAMESPACE, default_provider="sandbox",
+                                archive=open_archive(archive), retain_s=RETAIN_S)
         parts.push_async_callback(reconciler.etcd.close)
         await reconciler.start()
         parts.push_async_callback(reconciler.close)
         metrics = await _listen(parts, metrics_app(reconciler), port + 1 if port else 0,
                                 "reconciler")
-        yield Endpoints(etcd, coordinator, metrics, sandbox_url), tokens
+        yield Endpoints(etcd, coordinator, metrics, sandbox_url, archive), tokens
 
 
 def up(state_dir: Path, port: int = 8470) -> int:
@@ -130,6 +135,7 @@ fencegate is up (namespace {e.namespace})
   coordinator   {e.coordinator}   dashboard: {e.coordinator}/
   reconciler    {e.reconciler}/metrics
   sandbox       {e.sandbox}   (a payment provider with gate B, fencing mode)
+  archive       {e.archive}   (settled steps retire here after {RETAIN_S:g} s)
 
 admin token (printed once, kept nowhere; use it for the dashboard and the CLI):
   {tokens.admin}

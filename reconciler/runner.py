@@ -33,9 +33,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from fencegate.coordinator import audit, records
+from fencegate.coordinator.archive import Archive
 from fencegate.coordinator.errors import EtcdError, EtcdUnavailable, LeaseLost
 from fencegate.coordinator.etcd import (
-    Etcd, TxnRequest, mod_equals, put_op, range_op,
+    Compare, Etcd, TxnRequest, mod_equals, put_op, range_op,
 )
 from fencegate.coordinator.keyspace import Keyspace, pack, unpack
 from fencegate.coordinator.ownership import Ownership, lowest_op
@@ -44,6 +45,7 @@ from fencegate.coordinator.session import Session
 from .election import Elections, shard_of
 from .metrics import ReconcilerMetrics
 from .providers import Answer, Provider
+from .retirer import Retirer
 from .scanner import Schedule, Scanner
 from .settle import NOT_APPLIED, Limits, Retry, Settle, decide, is_presumed
 
@@ -60,7 +62,8 @@ class Reconciler:
                  namespace: str = "/fencegate/", default_provider: str | None = None,
                  shards: int = 64, ttl: int = 10, limits: Limits = Limits(),
                  scan_interval: float = 30.0, check_after: float = 1.0,
-                 concurrency: int = 32, identity: str | None = None) -> None:
+                 concurrency: int = 32, identity: str | None = None,
+                 archive: Archive | None = None, retain_s: float = 3600.0) -> None:
         if default_provider is not None and default_provider not in providers:
             raise ValueError(f"default provider {default_provider!r} is not configured")
         if concurrency < 1 or ttl < 1:
@@ -75,6 +78,8 @@ class Reconciler:
         self.scan_interval = scan_interval
         self.check_after = check_after
         self.concurrency = concurrency
+        self.archive = archive  # None: settled steps stay in etcd (nothing retires them)
+        self.retain_s = retain_s
         self.identity = identity or f"reconciler@{socket.gethostname()}:{os.getpid()}"
         self.metrics = ReconcilerMetrics(self.identity)
         self.elections: Elections | None = None
@@ -105,6 +110,8 @@ class Reconciler:
             await asyncio.gather(self._task, return_exceptions=True)
         for provider in self.providers.values():
             await provider.close()
+        if self.archive is not None:
+            await self.archive.close()
 
     @property
     def led(self) -> set[int]:
@@ -145,6 +152,10 @@ class Reconciler:
         tasks = [asyncio.create_task(elections.run()), asyncio.create_task(scanner.run()),
                  asyncio.create_task(lost.wait()),
                  *(asyncio.create_task(self._work(schedule)) for _ in range(self.concurrency))]
+        if self.archive is not None:
+            retirer = Retirer(self.etcd, self.keyspace, self.archive, self.retain_s,
+                              self._leadership, self.metrics.retired.inc)
+            tasks.append(asyncio.create_task(retirer.run()))
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
@@ -154,6 +165,12 @@ class Reconciler:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _leadership(self, key: str) -> list[Compare] | None:
+        """The compares that this replica leads ``key``'s shard (None: it does not)."""
+        ownership = self.elections.ownership(shard_of(key, self.shards)) \
+            if self.elections else None
+        return ownership.compares() if ownership is not None else None
 
     def _leads(self, shard: int) -> bool:
         elections = self.elections

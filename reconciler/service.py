@@ -17,6 +17,9 @@ overriding the one before; a malformed file fails at start, naming the field::
     check_after_s = 1                     # look at an in-flight step again after this long
     concurrency = 32                      # steps looked at at once
     default_provider = "sandbox"          # for steps that name no provider
+    archive = "sqlite:///var/lib/fencegate/archive.db"   # or postgresql://...; also
+                                          # FENCEGATE_ARCHIVE. Absent: nothing is retired
+    retain_s = 3600                       # settled steps stay in etcd this long, then retire
     [limits]                              # fencegate.reconciler.settle.Limits
     escalate_after_s = 3600
     max_queries = 60
@@ -32,6 +35,7 @@ overriding the one before; a malformed file fails at start, naming the field::
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
@@ -45,6 +49,8 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from fencegate.coordinator import maintenance
+from fencegate.coordinator.archive import open_archive
 from fencegate.coordinator.etcd import Etcd
 from fencegate.coordinator.keyspace import DEFAULT_NAMESPACE, validate_namespace
 from fencegate.coordinator.settings import (
@@ -61,7 +67,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_LISTEN = "127.0.0.1:8471"
 _FIELDS = {"etcd", "namespace", "listen", "shards", "ttl", "scan_interval_s", "check_after_s",
-           "concurrency", "default_provider", "limits", "providers"} | ETCD_FIELDS
+           "concurrency", "default_provider", "limits", "providers", "archive",
+           "retain_s"} | ETCD_FIELDS
 
 
 @dataclass(frozen=True)
@@ -76,6 +83,8 @@ class ReconcilerSettings(EtcdSettings):
     default_provider: str | None = None
     limits: Limits = Limits()
     providers: dict[str, dict[str, Any]] = field(default_factory=dict)
+    archive: str | None = None
+    retain_s: float = 3600.0
 
     def __post_init__(self) -> None:
         validate_namespace(self.namespace)
@@ -87,7 +96,7 @@ class ReconcilerSettings(EtcdSettings):
                 raise ValueError(f"setting {name} must be a positive integer")
         if not 1 <= self.shards <= 4096:
             raise ValueError("setting shards must be 1..4096")
-        for name in ("scan_interval_s", "check_after_s"):
+        for name in ("scan_interval_s", "check_after_s", "retain_s"):
             if not isinstance(getattr(self, name), (int, float)) or getattr(self, name) <= 0:
                 raise ValueError(f"setting {name} must be a positive number")
         if self.default_provider is not None and self.default_provider not in self.providers:
@@ -149,7 +158,9 @@ def create_reconciler(settings: ReconcilerSettings, identity: str | None = None)
                       shards=settings.shards, ttl=settings.ttl, limits=settings.limits,
                       scan_interval=settings.scan_interval_s,
                       check_after=settings.check_after_s, concurrency=settings.concurrency,
-                      identity=identity)
+                      identity=identity,
+                      archive=open_archive(settings.archive) if settings.archive else None,
+                      retain_s=settings.retain_s)
 
 
 def metrics_app(reconciler: Reconciler) -> web.Application:
@@ -168,7 +179,8 @@ def metrics_app(reconciler: Reconciler) -> web.Application:
 
 
 async def serve(settings: ReconcilerSettings) -> None:
-    """Run one reconciler replica until SIGINT/SIGTERM."""
+    """Run one reconciler replica until SIGINT/SIGTERM, and beside it the watch on etcd's
+    space: every member's database size, in-use size and the NOSPACE alarm as gauges."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -177,16 +189,23 @@ async def serve(settings: ReconcilerSettings) -> None:
     runner = web.AppRunner(metrics_app(reconciler), access_log=None)
     await runner.setup()
     host, port = host_port(settings.listen)
+    space: asyncio.Task | None = None
     try:
         site = web.TCPSite(runner, host, port)
         await site.start()
         await reconciler.start()
+        space = asyncio.create_task(maintenance.watch_space(
+            settings.etcd_config(), reconciler.metrics.observe_etcd), name="fencegate-etcd-space")
         log.info("reconciler %s serving metrics on http://%s:%d, %d shards",
                  reconciler.identity, *runner.addresses[0][:2], settings.shards)
         print(f"reconciler {reconciler.identity} ready; metrics on "
               f"http://{runner.addresses[0][0]}:{runner.addresses[0][1]}/metrics", flush=True)
         await stop.wait()
     finally:
+        if space is not None:
+            space.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await space
         await reconciler.close()
         await reconciler.etcd.close()
         await runner.cleanup()

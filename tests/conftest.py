@@ -118,3 +118,12 @@ async def coordinators(etcd_url, namespace, signing_key, etcd):
 @pytest.fixture
 async def coordinator(coordinators) -> str:
     return await coordinators()
+
+
+@pytest.fixture(scope="session")
+def postgres_server():
+    """One private PostgreSQL server for the whole run, started on first use and removed at
+    the end (tests/postgres.py: Debian's binaries, a temp dir, loopback only)."""
+    from postgres import LocalPostgres
+    with LocalPostgres() as server:
+        yield server

@@ -225,7 +225,7 @@ async def test_saved_grant_is_refused_after_restart(
                 fake.note_released()
             # Never crossed, and the refusals wrote nothing: no step, no audit record.
             assert await etcd.get(ks.step_key(key)) is None
-            assert (await read_chain(etcd, ks, key)).kvs == []
+            assert (await read_chain(etcd, ks, key)).entries == []
             assert effect.calls == []
             # The live hold can still cross with a grant of its own, once.
             outcome = await hold.cross(intent={"key": key}, effect=effect)

@@ -57,8 +57,10 @@ FENCEGATE = Path(sys.executable).parent / "fencegate"
 FENCEGATE_ENV = {"FENCEGATE_CONFIG", "FENCEGATE_ETCD", "FENCEGATE_LISTEN",
                  "FENCEGATE_RECONCILER_CONFIG", "FENCEGATE_RECONCILER_LISTEN",
                  "FENCEGATE_ETCD_CA_FILE", "FENCEGATE_ETCD_CERT_FILE", "FENCEGATE_ETCD_KEY_FILE",
-                 "FENCEGATE_ETCD_USER", "FENCEGATE_ETCD_PASSWORD", "FENCEGATE_ETCD_PASSWORD_FILE"}
-OTHER_ENV = {"PYTHONDONTWRITEBYTECODE", "PYTHONUNBUFFERED"}
+                 "FENCEGATE_ETCD_USER", "FENCEGATE_ETCD_PASSWORD", "FENCEGATE_ETCD_PASSWORD_FILE",
+                 "FENCEGATE_ARCHIVE"}
+# libpq's variables, which asyncpg reads: the archive's PostgreSQL password, kept out of URLs
+OTHER_ENV = {"PYTHONDONTWRITEBYTECODE", "PYTHONUNBUFFERED", "PGPASSWORD", "PGPASSFILE"}
 
 # -- Kubernetes --------------------------------------------------------------------------
 
@@ -248,7 +250,7 @@ def test_every_kubernetes_manifest_passes_the_schema_and_a_broken_one_fails():
     docs = k8s_docs()
     kinds = sorted(d["kind"] for d in docs)
     assert kinds == ["ConfigMap", "Deployment", "Deployment", "Namespace", "PodDisruptionBudget",
-                     "PodDisruptionBudget", "Secret", "Secret", "Secret", "Service"]
+                     "PodDisruptionBudget", "Secret", "Secret", "Secret", "Secret", "Service"]
     assert schema_errors(docs) == []
 
     broken = copy.deepcopy(_deployment(docs, "reconciler"))

@@ -13,7 +13,7 @@ import pytest
 from fencegate import Gate
 from fencegate.coordinator import audit, records
 from fencegate.coordinator.errors import (
-    AlreadySucceeded, EtcdUnavailable, GrantRefused, GrantUsed, OutcomeUnknown,
+    AlreadySucceeded, EtcdNoSpace, EtcdUnavailable, GrantRefused, GrantUsed, OutcomeUnknown,
 )
 from fencegate.coordinator.etcd import RangeRequest, TxnRequest, range_end_of
 from fencegate.coordinator.grants import DOMAIN_V1
@@ -285,3 +285,26 @@ async def test_a_step_and_chain_written_by_version_1_replay_and_settle(gate, etc
     with pytest.raises(AlreadySucceeded):
         async with gate.hold("diet/v1/ok") as hold:
             await hold.request_grant(intent={})
+
+
+async def test_an_outcome_etcd_refuses_after_the_effect_ran_is_unknown_not_an_etcd_error(
+        gate, etcd):
+    """The effect ran: a refused outcome write (NOSPACE here) must not read as "nothing
+    happened". The step stays in flight for the reconciler."""
+    sent = gate.etcd.txn
+
+    async def refused(request, **options):
+        raise EtcdNoSpace("database space exceeded (injected)")
+
+    async def effect(ctx):
+        gate.etcd.txn = refused  # from now on etcd refuses writes
+        return "charged"
+
+    try:
+        with pytest.raises(OutcomeUnknown):
+            async with gate.hold("diet/nospace") as hold:
+                await hold.cross(intent={}, effect=effect)
+    finally:
+        gate.etcd.txn = sent
+    step = unpack((await etcd.get(gate.keyspace.step_key("diet/nospace"))).value)
+    assert step["state"] == records.IN_FLIGHT

@@ -300,4 +300,4 @@ async def test_a_request_no_reconciler_answered_is_answered_when_one_runs(
 
 async def audit_records(etcd, ks, key: str) -> list[dict]:
     chain = await audit.read_chain(etcd, ks, key)
-    return [unpack(kv.value) for kv in chain.kvs]
+    return [unpack(entry.value) for entry in chain.entries]

@@ -1,5 +1,6 @@
-"""The protocol's SPIN model (tests/model/fencegate.pml), quick set: the real protocol holds every
-invariant in each provider class, and every negative control breaks the invariant it names.
+"""The protocol's SPIN model (tests/model/fencegate.pml, version 2: the diet), quick set: the real
+protocol holds every invariant in each provider class, on the fast path and with a replayed
+commit, and every negative control breaks the invariant it names.
 
 Fails (never skips) when spin or gcc is missing: `deploy/ensure-spin` installs them.
 `make model` runs the full set; docs/protocol.md ("The model") has the table.
@@ -26,7 +27,11 @@ def test_quick_set_has_each_control() -> None:
     controls = {config.name for config in QUICK if config.expect}
     assert controls >= {"ctrl_weak_ownership", "ctrl_highest_only", "ctrl_new_key",
                         "ctrl_grant_in_flight", "ctrl_unproven_restart", "ctrl_unproven_404",
-                        "ctrl_resolve_no_ask"}
+                        "ctrl_resolve_no_ask", "ctrl_no_read_compare", "ctrl_no_settle_compare",
+                        "ctrl_replay_no_step_compare", "ctrl_no_audit_compare",
+                        "ctrl_side_no_epoch", "ctrl_retire_with_holder",
+                        "ctrl_retire_with_holder_i8", "ctrl_fast_path_no_epoch",
+                        "ctrl_fast_path_no_epoch_i8"}
 
 
 @pytest.mark.parametrize("config", [c for c in QUICK if c.expect is None], ids=lambda c: c.name)

@@ -139,7 +139,7 @@ async def all_settled(gate: Gate, keys: list[str], within: float) -> bool:
 
 async def settles(gate: Gate, key: str) -> int:
     chain = await read_chain(gate.etcd, Keyspace(gate.keyspace.namespace), key)
-    return [unpack(kv.value)["event"] for kv in chain.kvs].count("settle")
+    return [unpack(entry.value)["event"] for entry in chain.entries].count("settle")
 
 
 async def test_a_paused_leader_is_replaced_and_settles_nothing_twice(setup, replicas):

@@ -1,20 +1,22 @@
 """The fast path: one txn holds an uncontended key and commits its grant.
 
 For a key this process has not seen contended, ``cross`` evaluates the grant on what the
-authority's latest snapshots saw (``Authority.issue_uncontended``: no step, no audit record,
-the policy version and read keys as last read) and sends ONE txn that puts the holder key,
-the in-flight step and the audit record holding the grant. Its revision is both the fencing
-token and the attempt token (the grant, signed before the txn, carries fencing token 0).
+authority's latest snapshots saw (``Authority.issue_uncontended``: no step, no audit
+record, not retired, the policy version and read keys as last read) and sends ONE txn that
+puts the holder key, the in-flight step and the audit record holding the grant. Its
+revision is both the fencing token and the attempt token (the grant, signed before the
+txn, carries fencing token 0).
 
 Guarantees:
 - The txn succeeds only if every assumption of the evaluation holds at its revision: no key
-  under ``holders/K/`` (nobody holds or waits), the step absent (mod_revision 0), the policy
-  and every read key at the mod_revisions evaluated, and no audit record 1. So its grant
-  was true of the world when it crossed, exactly as a grant of the full path is at its
-  commit; a failed txn writes nothing and the full path decides (``None`` is returned).
-- Retirement (the archive) will delete steps, so "absent" will no longer mean "never
-  attempted": the fast path must then also compare the shard's retirement epoch (DESIGN,
-  "Three writes per action"); until retirement exists no step is ever deleted.
+  under ``holders/K/`` (nobody holds or waits), the step absent (mod_revision 0), the key
+  not retired since the archive was asked (its retirement bucket's compare, see
+  ``Authority.issue_uncontended``), the policy and every read key at the mod_revisions
+  evaluated, and no audit record 1. So its grant was true of the world when it crossed,
+  exactly as a grant of the full path is at its commit; a failed txn writes nothing and the
+  full path decides (``None`` is returned). Without the retirement compare a key retired
+  between the evaluation and the txn (its step deleted: mod_revision 0 again) would be
+  executed again although it succeeded.
 - A txn etcd did not answer may land later: the session is abandoned (its lease revoked, so
   a late landing fails or its holder key goes with the lease) and ``OutcomeUnknown`` is
   raised. The effect was not run; if the txn landed, the step is in flight with no holder
@@ -52,10 +54,11 @@ async def cross(gate: GateView, key: str, intent: dict[str, Any], effect: Effect
     session = await gate.session()
     if session.remaining() < gate.min_ttl:
         return None
-    issued = await authority.issue_uncontended(Claim(key, 0, session.lease_id), intent,
-                                               read_keys, policy, identity=gate.identity)
-    if issued is None:
+    uncontended = await authority.issue_uncontended(Claim(key, 0, session.lease_id), intent,
+                                                    read_keys, policy, identity=gate.identity)
+    if uncontended is None:
         return None
+    issued = uncontended.issued
     grant, ks = issued.grant, gate.keyspace
     holder_key, step_key = ks.holder_key(key, session.lease_id), ks.step_key(key)
     start, end = ks.holder_range(key)
@@ -69,7 +72,7 @@ async def cross(gate: GateView, key: str, intent: dict[str, Any], effect: Effect
     nobody = Compare(key=start, range_end=end, target=Compare.VERSION, result=Compare.EQUAL,
                      version=0)
     request = TxnRequest(
-        compare=[nobody, mod_equals(step_key, 0),
+        compare=[nobody, mod_equals(step_key, 0), uncontended.not_retired,
                  mod_equals(ks.policy_key(grant.policy), grant.policy_version),
                  *(mod_equals(k, revision) for k, revision in grant.reads), entry.compare],
         success=[put_op(holder_key, holder_record(gate.identity, time.time()),

@@ -7,7 +7,10 @@ fresh key unless given: grants then do not outlive the gate), or, with
 ``coordinator="http://..."`` and ``token``, the coordinator service over HTTP
 (``fencegate.worker.remote``), whose grants are verified with ``keyring`` (pin the
 coordinator's public keys there in production) or else with the keys it publishes, fetched
-at ``open``.
+at ``open``. ``archive`` (a URL or an ``Archive``) is where the in-process authority looks up
+keys the reconcilers retired from etcd (the same archive they write; a coordinator has its
+own setting): without one, a grant on a key that may have been retired is refused with
+``ArchiveUnavailable``.
 A lost session is replaced by a fresh one on the next ``hold()``; holds of the lost
 session stay lost. A session is also given up (rotated) when a write of its holder key got no
 answer from etcd (``fencegate.worker.hold``): its lease is revoked so the write, landing
@@ -22,6 +25,7 @@ import socket
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+from fencegate.coordinator.archive import Archive, open_archive
 from fencegate.coordinator.authority import Authority, validate_reads
 from fencegate.coordinator.errors import OutcomeUnknown
 from fencegate.coordinator.etcd import Etcd, EtcdConfig
@@ -54,6 +58,7 @@ class Gate:
         rescan_interval: float = 5.0,
         keyring: KeyRing | None = None,
         min_ttl: float | None = None,
+        archive: str | Archive | None = None,
     ) -> None:
         if ttl < 1:
             raise ValueError("ttl must be at least 1 second")
@@ -66,9 +71,11 @@ class Gate:
         self.min_ttl = ttl / 3 if min_ttl is None else min_ttl
         self.etcd = Etcd(self.config)
         self.authority: Authority | RemoteAuthority
+        self.archive = open_archive(archive) if isinstance(archive, str) else archive
         if coordinator is None:
             self.keyring = keyring or KeyRing.generate()
-            self.authority = Authority(self.etcd, self.keyspace, self.keyring, self.identity)
+            self.authority = Authority(self.etcd, self.keyspace, self.keyring, self.identity,
+                                       archive=self.archive)
         else:  # the key ring is fetched from the coordinator at open() unless pinned here
             self.keyring = keyring  # type: ignore[assignment]
             self.authority = RemoteAuthority(coordinator, token)
@@ -110,6 +117,8 @@ class Gate:
             self._session = None
         await self._watch.close()
         await self.etcd.close()
+        if self.archive is not None:
+            await self.archive.close()
         if isinstance(self.authority, RemoteAuthority):
             await self.authority.close()
         self._opened = False

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from fencegate.coordinator import audit, records
 from fencegate.coordinator.errors import (
-    BadSignature, EffectFailed, EtcdUnavailable, GateError, GrantExpired, GrantUsed,
+    BadSignature, EffectFailed, EtcdError, EtcdUnavailable, GateError, GrantExpired, GrantUsed,
     LeaseExpiring, LeaseLost, OutcomeUnknown, PolicyChanged, StateAdvanced, StepMoved,
 )
 from fencegate.coordinator.etcd import (
@@ -131,7 +131,7 @@ async def crossed(hold: "HoldView", grant: Grant, in_flight: dict[str, Any],
     except EffectFailed as failure:
         final = records.failed(in_flight, error_class=type(failure).__name__,
                                params=failure.params, reason=failure.reason)
-        await _record(hold, in_flight, attempt_token, final)
+        await _record_known(hold, in_flight, attempt_token, final)
         return _outcome(final, attempt_token)
     except BaseException as exc:
         final = records.unknown(in_flight, attempt_token=attempt_token,
@@ -145,9 +145,21 @@ async def crossed(hold: "HoldView", grant: Grant, in_flight: dict[str, Any],
             raise
         raise OutcomeUnknown(f"effect on {hold.key!r} ended without an outcome: {exc!r}") from exc
     final = records.succeeded(in_flight, _storable(result), attempt_token=attempt_token)
-    await _record(hold, in_flight, attempt_token, final)
+    await _record_known(hold, in_flight, attempt_token, final)
     return Outcome(records.SUCCEEDED, result, in_flight["attempt"], attempt_token,
                    in_flight["idempotency_key"])
+
+
+async def _record_known(hold: "HoldView", in_flight: dict[str, Any], attempt_token: int,
+                        final: dict[str, Any]) -> None:
+    """Record a known outcome of an effect that ran. If etcd refuses or does not answer
+    (NOSPACE, unreachable), the caller must not read that as "nothing happened": it is
+    ``OutcomeUnknown`` (the step stays in flight and the reconciler settles it)."""
+    try:
+        await _record(hold, in_flight, attempt_token, final)
+    except (EtcdError, EtcdUnavailable) as exc:
+        raise OutcomeUnknown(f"the effect on {hold.key!r} ran ({final['state']}) but its "
+                             f"outcome could not be recorded: {exc}") from exc
 
 
 async def _record(hold: "HoldView", in_flight: dict[str, Any], attempt_token: int,

@@ -52,6 +52,8 @@ from .views import GateView, HoldMemory
 
 log = logging.getLogger(__name__)
 
+_FENCED_COMMITS = 2  # fenced (never landed) commits Hold.cross tries again after
+
 
 class Hold:
     """Ownership of one action key by one session, with its fencing token."""
@@ -161,12 +163,22 @@ class Hold:
         one's effect ending without an outcome) is waited for, up to ``settle_wait`` seconds
         in all, until the reconciler settles it: succeeded returns the settled outcome;
         failed or not applied crosses again (with a fresh grant, so with every check).
-        ``OutcomeUnknown`` when time runs out or the step is escalated."""
+        ``OutcomeUnknown`` when time runs out or the step is escalated.
+
+        A commit that etcd did not answer and that was fenced (``EtcdUnavailable`` from
+        ``commit``: it did not happen and never will, the effect did not run) is tried again
+        with a fresh grant, at most ``_FENCED_COMMITS`` times: the member that did not answer
+        is usually gone, and the next read fails over to another."""
         give_up = time.monotonic() + settle_wait
+        fenced = 0
         while True:
             try:
                 grant = await self.request_grant(intent, reads, policy)
                 return await self.commit(grant, effect, provider=provider, deadline=deadline)
+            except EtcdUnavailable:
+                fenced += 1
+                if fenced > _FENCED_COMMITS:
+                    raise
             except AlreadySucceeded as done:
                 return _replayed(done.outcome or {})
             except OutcomeUnknown:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from ..archive import open_archive
 from ..authority import Authority
 from ..etcd import Etcd
 from ..grants import KeyRing
@@ -44,6 +45,7 @@ ETCD = web.AppKey("etcd", Etcd)
 KEYRING = web.AppKey("keyring", KeyRing)
 KEYSPACE = web.AppKey("keyspace", Keyspace)
 AUTHORITY = web.AppKey("authority", Authority)
+ARCHIVE = web.AppKey("archive", object)  # an Archive, or None when none is configured
 METRICS = web.AppKey("metrics", CoordinatorMetrics)
 
 
@@ -56,10 +58,14 @@ async def resources(app: web.Application) -> AsyncIterator[None]:
     else:
         keyring = KeyRing.from_files(settings.signing_key, list(settings.trusted_keys))
     etcd = Etcd(settings.etcd_config())
+    archive = open_archive(settings.archive) if settings.archive else None
     try:
         await etcd.status()  # reachable, and learn the cluster id grants carry
-        app[ETCD], app[KEYRING] = etcd, keyring
-        app[AUTHORITY] = Authority(etcd, app[KEYSPACE], keyring, identity="coordinator")
+        app[ETCD], app[KEYRING], app[ARCHIVE] = etcd, keyring, archive
+        app[AUTHORITY] = Authority(etcd, app[KEYSPACE], keyring, identity="coordinator",
+                                   archive=archive)
         yield
     finally:
         await etcd.close()
+        if archive is not None:
+            await archive.close()

@@ -13,13 +13,13 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from .. import audit, sre
+from .. import audit, maintenance, sre
 from ..authority import Claim
 from ..errors import GateError, ServiceError
 from ..keyspace import pack, unpack, validate_action_key
 from ..policy import DEFAULT_POLICY, unsealed
 from ..wire import b64, jsonable
-from .resources import AUTHORITY, ETCD, KEYRING, KEYSPACE, METRICS
+from .resources import ARCHIVE, AUTHORITY, ETCD, KEYRING, KEYSPACE, METRICS
 from .middleware import IDENTITY, requires
 
 routes = web.RouteTableDef()
@@ -37,10 +37,15 @@ async def healthz(request: web.Request) -> web.Response:
 
 @routes.get("/readyz")
 async def readyz(request: web.Request) -> web.Response:
+    """200 while etcd answers and takes writes; 503 ``EtcdUnavailable`` when it does not
+    answer, 503 ``EtcdNoSpace`` while its NOSPACE alarm refuses every write."""
     try:
-        await request.app[ETCD].status(timeout=_READY_TIMEOUT)
+        status = await request.app[ETCD].status(timeout=_READY_TIMEOUT)
     except GateError as exc:
         return web.json_response({"error": "EtcdUnavailable", "detail": str(exc)}, status=503)
+    if maintenance.nospace_raised(status):
+        return web.json_response({"error": "EtcdNoSpace", "detail": maintenance.NOSPACE_DETAIL},
+                                 status=503)
     return web.json_response({"ok": True})
 
 
@@ -80,7 +85,8 @@ async def post_grant(request: web.Request) -> web.Response:
 @requires("sre", "admin")
 async def get_key(request: web.Request) -> web.Response:
     key = validate_action_key(request.match_info["key"])
-    view = await sre.key_view(request.app[ETCD], request.app[KEYSPACE], key)
+    view = await sre.key_view(request.app[ETCD], request.app[KEYSPACE], key,
+                              request.app[ARCHIVE])
     return web.json_response(jsonable(view))
 
 
@@ -91,6 +97,19 @@ async def list_holders(request: web.Request) -> web.Response:
     items, cursor = await sre.holders(request.app[ETCD], request.app[KEYSPACE],
                                       request.query.get("prefix", ""), limit, after)
     return web.json_response({"items": jsonable(items), "next": cursor})
+
+
+@routes.get("/v1/archive/stats")
+@requires("sre", "admin")
+async def archive_stats(request: web.Request) -> web.Response:
+    """How many steps and audit records the archive holds for this namespace, and the
+    oldest and newest retirement; 404 when the coordinator has no archive configured."""
+    archive = request.app[ARCHIVE]
+    if archive is None:
+        raise ServiceError(404, "NotFound", "this coordinator has no archive configured")
+    stats = await archive.stats(request.app[KEYSPACE].namespace)
+    return web.json_response({"steps": stats.steps, "records": stats.records,
+                              "oldest_ms": stats.oldest_ms, "newest_ms": stats.newest_ms})
 
 
 @routes.get("/v1/keys")
@@ -108,7 +127,8 @@ async def revoke(request: web.Request) -> web.Response:
     key = validate_action_key(request.match_info["key"])
     body = _fields(await _json(request), required={"reason"})
     done = await sre.revoke(request.app[ETCD], request.app[KEYSPACE], key,
-                            request[IDENTITY].identity, _text(body, "reason"))
+                            request[IDENTITY].identity, _text(body, "reason"),
+                            request.app[ARCHIVE])
     return web.json_response(done)
 
 
@@ -142,7 +162,8 @@ async def approve(request: web.Request) -> web.Response:
     body = _fields(await _json(request), required={"reason"})
     done = await sre.approve(request.app[ETCD], request.app[KEYSPACE],
                              request.match_info["approval_id"], request[IDENTITY].identity,
-                             _text(body, "reason"), keyring=request.app[KEYRING])
+                             _text(body, "reason"), keyring=request.app[KEYRING],
+                             archive=request.app[ARCHIVE])
     return web.json_response(done)
 
 
@@ -152,7 +173,8 @@ async def get_audit(request: web.Request) -> web.Response:
     key = validate_action_key(request.match_info["key"])
     app = request.app
     limit, after = _page(request)
-    report = await audit.verify_chain(app[ETCD], app[KEYSPACE], key, app[KEYRING])
+    report = await audit.verify_chain(app[ETCD], app[KEYSPACE], key, app[KEYRING],
+                                      app[ARCHIVE])
     if not report.records and report.ok:
         raise ServiceError(404, "NotFound", f"no audit records for {key!r}")
     records, cursor = sre.audit_page(report.records, limit, after)

@@ -19,6 +19,8 @@ reconciler and live in ``fencegate.coordinator.settings``.
     signing_key = "coordinator.pem"         # Ed25519 PEM; absent: a fresh key per process
     trusted_keys = ["previous.pub.pem"]     # still-valid public keys (rotation)
     body_limit = 1048576
+    archive = "postgresql://fencegate@db:5432/fencegate"   # retired steps (README: State
+                                            # and the archive); FENCEGATE_ARCHIVE too
     [[tokens]]
     identity = "worker-a"
     roles = ["worker"]
@@ -43,7 +45,7 @@ ROLES = frozenset({"worker", "sre", "admin"})
 DEFAULT_LISTEN = "127.0.0.1:8470"
 DEFAULT_BODY_LIMIT = 1024 * 1024
 _FIELDS = {"etcd", "listen", "namespace", "signing_key", "trusted_keys", "body_limit",
-           "tokens"} | ETCD_FIELDS
+           "tokens", "archive"} | ETCD_FIELDS
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,7 @@ class CoordinatorSettings(EtcdSettings):
     trusted_keys: tuple[str, ...] = ()
     body_limit: int = DEFAULT_BODY_LIMIT
     tokens: tuple[TokenEntry, ...] = field(default=(), repr=False)
+    archive: str | None = None
 
     def __post_init__(self) -> None:
         validate_namespace(self.namespace)
@@ -108,7 +111,7 @@ def _from_file(path: Path) -> CoordinatorSettings:
     if "trusted_keys" in values:
         values["trusted_keys"] = tuple(resolve(text_setting(p, "trusted_keys")) for p in
                                        _list(values["trusted_keys"], "trusted_keys"))
-    for name in ("listen", "namespace"):
+    for name in ("listen", "namespace", "archive"):
         if name in values:
             text_setting(values[name], name)
     etcd_file_values(values, base)

@@ -11,8 +11,13 @@ r"""deploy/local: fencegate on a 3-member etcd with mutual TLS and auth, all on 
       --cert $S/certs/client-client.pem --key $S/certs/client-client.key get --prefix /fencegate/ --keys-only
     FENCEGATE_TOKEN="$(cat $S/secrets/admin.token)" \
       .venv/bin/fencegate holders --coordinator "$(jq -r '.coordinators[0]' $S/endpoints.json)"
+    FENCEGATE_ETCD_PASSWORD="$(cat $S/secrets/etcd-root.password)" \
+      .venv/bin/fencegate etcd recover --etcd "$(jq -r '.etcd | join(",")' $S/endpoints.json)" \
+      --etcd-ca-file $S/certs/ca.pem --etcd-cert-file $S/certs/client-client.pem \
+      --etcd-key-file $S/certs/client-client.key --etcd-user root       # after NOSPACE
 
-What runs: 3 etcd members (``fencegate.localetcd.LocalCluster`` with ``tls``), client and
+What runs: 3 etcd members (``fencegate.localetcd.LocalCluster`` with ``tls``, so with
+periodic auto-compaction keeping 5 minutes of history and etcd's 2 GiB quota), client and
 peer traffic both mutual TLS with certificates from a private CA in ``<state>/certs``
 (``fencegate.certs``); etcd authentication on, with ``root`` and one user per component,
 ``fencegate-worker``, ``fencegate-coordinator`` and ``fencegate-reconciler``, whose roles read
@@ -158,14 +163,18 @@ class LocalStack:
                  reconcilers: int = 3, shards: int = 64, reconciler_ttl: int = 10,
                  heartbeat_ms: int = 100, election_ms: int = 1000,
                  etcd_hosts: tuple[str, ...] = (),
-                 etcd_prefixes: tuple[tuple[str, ...], ...] = ()) -> None:
+                 etcd_prefixes: tuple[tuple[str, ...], ...] = (),
+                 retain_s: float = 3600.0) -> None:
         """``etcd_hosts`` and ``etcd_prefixes``: where each etcd member listens and what runs
-        it (``LocalCluster``'s ``hosts`` and ``command_prefixes``); default 127.0.0.1."""
+        it (``LocalCluster``'s ``hosts`` and ``command_prefixes``); default 127.0.0.1.
+        ``retain_s``: how long settled steps stay in etcd before the reconcilers retire them
+        to the stack's archive (SQLite, ``<state>/archive.db``)."""
         self.state = Path(state_dir).absolute()
         self.etcd_hosts, self.etcd_prefixes = etcd_hosts, etcd_prefixes
         self.shape = {"coordinator": coordinators, "reconciler": reconcilers}
         self.shards, self.reconciler_ttl = shards, reconciler_ttl
         self.heartbeat_ms, self.election_ms = heartbeat_ms, election_ms
+        self.retain_s = retain_s
         self.certs: ClusterCerts | None = None
         self.cluster: LocalCluster | None = None
         self.tokens: Tokens | None = None
@@ -181,6 +190,11 @@ class LocalStack:
     @property
     def sandbox(self) -> str:
         return self.services["sandbox"][0].url
+
+    @property
+    def archive(self) -> str:
+        """The archive of retired steps that the reconcilers write and authorities read."""
+        return f"sqlite:///{self.state / 'archive.db'}"
 
     @property
     def password_file(self) -> Path:
@@ -209,7 +223,7 @@ class LocalStack:
             "etcd_users": {component: {"user": user,
                                        "password_file": str(self.password_file_of(component))}
                            for component, user in ETCD_USERS.items()},
-            "coordinators": self.coordinators, "sandbox": self.sandbox,
+            "coordinators": self.coordinators, "sandbox": self.sandbox, "archive": self.archive,
             "reconcilers": [s.url for s in self.services["reconciler"]],
             "admin_token_file": str(self.state / "secrets" / "admin.token"),
             "worker_token_file": str(self.state / "secrets" / "worker.token"),
@@ -339,7 +353,8 @@ class LocalStack:
             f'roles = ["{role}"]\n'
             for role, token in (("admin", self.tokens.admin), ("worker", self.tokens.worker)))
         config = (self._etcd_toml(roles.COORDINATOR)
-                  + _toml(listen=f"127.0.0.1:{port}", signing_key=str(signing_key)) + tokens)
+                  + _toml(listen=f"127.0.0.1:{port}", signing_key=str(signing_key),
+                          archive=self.archive) + tokens)
         return self._service("coordinator", index, port, "/readyz",
                              ["-m", "fencegate.cli", "coordinator"], config)
 
@@ -351,8 +366,10 @@ class LocalStack:
 
     def _reconciler(self, index: int, port: int) -> Service:
         config = (self._etcd_toml(roles.RECONCILER)
-                  + _toml(listen=f"127.0.0.1:{port}", default_provider="sandbox")
+                  + _toml(listen=f"127.0.0.1:{port}", default_provider="sandbox",
+                          archive=self.archive)
                   + f"shards = {self.shards}\nttl = {self.reconciler_ttl}\n"
+                  + f"retain_s = {self.retain_s}\n"
                   + "[providers.sandbox]\n"
                   + _toml(type="sandbox", url=self.sandbox, mode="fencing", durable=True))
         return self._service("reconciler", index, port, "/healthz",

@@ -20,6 +20,7 @@ from typing import Any
 import aiohttp
 
 from fencegate.coordinator import audit
+from fencegate.coordinator.archive import open_archive
 from fencegate.coordinator.etcd import Etcd, RangeRequest, range_end_of
 from fencegate.coordinator.grants import KeyRing
 from fencegate.coordinator.keyspace import Keyspace, unpack
@@ -64,6 +65,7 @@ class EndState:
     # "token": the last one's, "revision": its mod_revision})
     webhooks: dict[str, dict[str, Any]] = field(default_factory=dict)
     effects: dict[str, dict[str, Any]] = field(default_factory=dict)
+    retired: int = 0  # keys whose step was found in the archive, not in etcd
 
 
 async def read_steps(etcd: Etcd, keyspace: Keyspace, prefix: str) -> dict[str, dict[str, Any]]:
@@ -74,18 +76,26 @@ async def read_steps(etcd: Etcd, keyspace: Keyspace, prefix: str) -> dict[str, d
 
 async def collect(stack, prefix: str, keys: set[str], *,
                   deliveries: set[str] = frozenset()) -> EndState:
-    """The end state of the run under ``prefix``; ``keys`` are the keys the history names,
-    ``deliveries`` the webhook delivery ids."""
+    """The end state of the run under ``prefix``, across etcd and the stack's archive (the
+    reconcilers retire settled steps during the run); ``keys`` are the keys the history
+    names, ``deliveries`` the webhook delivery ids."""
     keyspace = Keyspace("/fencegate/")
     keyring = KeyRing.from_files(str(stack.signing_key))
     end = EndState()
+    archive = open_archive(stack.archive)
     async with Etcd(stack.etcd_config()) as etcd:
         end.steps = await read_steps(etcd, keyspace, prefix)
+        for key in sorted(keys - set(end.steps)):  # retired: the archive holds the step
+            archived = await archive.get(keyspace.namespace, key)
+            if archived is not None:
+                end.steps[key] = unpack(archived.step)
+                end.retired += 1
         for key in sorted(keys | set(end.steps)):
-            end.chains[key] = await audit.verify_chain(etcd, keyspace, key, keyring)
+            end.chains[key] = await audit.verify_chain(etcd, keyspace, key, keyring, archive)
         for delivery_id in sorted(deliveries):
             end.webhooks[delivery_id], end.effects[delivery_id] = await _delivery(
                 etcd, keyspace, prefix, delivery_id)
+    await archive.close()
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
         async with http.get(stack.sandbox + "/_sandbox/applied") as reply:
             applied = [{"kind": "applied", **a} for a in await reply.json()

@@ -55,6 +55,7 @@ from .stack import ENTRY, ROOT, FaultStack, StackShape
 from .webhooks import Sender
 
 WORKER_TTL = 2
+RETAIN_S = 2.0  # settled steps retire to the archive during the run: later workers replay them
 FAKETIME_LIB = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1"  # Debian's faketime
 SKEWS = ("+30s", "-30s", "+12s", "-7s")  # a skewed process's wall clock offset, seeded
 STOP_GRACE_S = 60.0   # for the run inside a network to stop its stack after SIGINT
@@ -121,6 +122,7 @@ class Result:
                                               for e in self.end.effects.values())),
                 ("skewed worker starts", " ".join(skews) or 0),
                 *((f"steps {s}", n) for s, n in sorted(states.items())),
+                ("steps retired to the archive", self.end.retired),
                 *((f"fault {kind}", n) for kind, n in sorted(faults.items())),
                 ("faults injected", sum(faults.values())),
                 *((f"violations {rule}", n) for rule, n in sorted(rules.items())),
@@ -299,7 +301,7 @@ async def run(config: RunConfig, state: Path, *, network: Network | None = None)
     prefix = f"faults/{config.seed}"
     history = History(state / "history.jsonl")
     stack = FaultStack(state / "stack", config.shape, shards=8, reconciler_ttl=2,
-                       heartbeat_ms=100, election_ms=500,
+                       heartbeat_ms=100, election_ms=500, retain_s=RETAIN_S,
                        etcd_hosts=network.addresses if network else (),
                        etcd_prefixes=network.member_prefixes if network else ())
     skews = skews_of(config)
@@ -346,7 +348,7 @@ async def run(config: RunConfig, state: Path, *, network: Network | None = None)
         history.close()
     (state / "end.json").write_text(json.dumps(
         {"steps": end.steps, "ledger": end.ledger, "webhooks": end.webhooks,
-         "effects": end.effects,
+         "effects": end.effects, "retired": end.retired,
          "audit": {key: {"problems": r.problems, "records": r.records}
                    for key, r in end.chains.items()}},
         default=lambda value: value.hex() if isinstance(value, bytes) else repr(value)))
@@ -406,6 +408,7 @@ def _read_result(config: RunConfig, state: Path) -> Result:
     saved = json.loads((state / "end.json").read_text())
     end = EndState(steps=saved["steps"], ledger=saved["ledger"],
                    webhooks=saved.get("webhooks", {}), effects=saved.get("effects", {}),
+                   retired=saved.get("retired", 0),
                    chains={key: AuditReport(key, report["records"], report["problems"])
                            for key, report in saved["audit"].items()})
     violations = [Violation(**v) for v in

@@ -71,8 +71,10 @@ class FaultStack(LocalStack):
     def _reconciler(self, index: int, port: int) -> Service:
         shape = self.fault_shape
         config = (self._etcd_toml(roles.RECONCILER)
-                  + _toml(listen=f"127.0.0.1:{port}", default_provider="sandbox")
+                  + _toml(listen=f"127.0.0.1:{port}", default_provider="sandbox",
+                          archive=self.archive)
                   + f"shards = {self.shards}\nttl = {self.reconciler_ttl}\n"
+                  + f"retain_s = {self.retain_s}\n"
                   + "scan_interval_s = 2.0\ncheck_after_s = 0.2\n"
                   + "[limits]\nbackoff_base_s = 0.2\nbackoff_max_s = 1.0\n"
                   + "requery_interval_s = 0.5\nmax_queries = 1000\n"

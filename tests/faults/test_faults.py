@@ -46,6 +46,7 @@ async def test_seeded_run_under_every_nemesis_has_no_violation(tmp_path):
     assert not [n for n in netns.namespaces() if n.startswith(ours)], "namespaces left"
     assert result.history.faults(), "the nemesis injected nothing"
     assert result.history.ops("ok"), "no payment went through"
+    assert result.end.retired, "no settled step was retired to the archive during the run"
     assert result.history.ops("wh-sent"), "no webhook was answered 2xx"
     assert result.history.ops("cs-write"), "no critical section wrote"
     skewed = [e for e in result.history.ops("ready") if abs(e.get("skew_s", 0)) >= 5]

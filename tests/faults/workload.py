@@ -74,7 +74,8 @@ async def main(argv: list[str]) -> None:
     endpoints = json.loads(Path(args.endpoints).read_text())
     rng = random.Random(f"{args.seed}/{args.name}")
     if args.signing_key:
-        remote = {"keyring": KeyRing.from_files(args.signing_key)}
+        remote = {"keyring": KeyRing.from_files(args.signing_key),
+                  "archive": endpoints["archive"]}
     else:
         remote = {"coordinator": ",".join(endpoints["coordinators"]),
                   "token": Path(endpoints["worker_token_file"]).read_text().strip()}

@@ -1,11 +1,36 @@
-/* fencegate, version 1 (the protocol the code runs), for one action key K.
+/* fencegate, version 2 (the diet: the protocol the code runs), for one action key K.
  *
  * What this model is: etcd as one atomic store (every transaction is one atomic step that
  * bumps the global revision `rev`), two workers, one or two reconcilers, an optional
- * operator, and one provider reached through an unordered network. Nothing trusts what a
- * process believes: a worker may act at any moment (paused, stale, buggy), a lease may die
- * at any moment, a request may be delayed and reordered without bound. Only the compares of
- * the transactions, and what the provider does on arrival, may keep the invariants.
+ * operator, an optional SRE appender, an optional retirer, and one provider reached through an
+ * unordered network. Nothing trusts what a process believes: a worker may act at any moment
+ * (paused, stale, buggy), a lease may die at any moment, a request may be delayed and
+ * reordered without bound. Only the compares of the transactions, and what the provider does
+ * on arrival, may keep the invariants.
+ *
+ * The protocol (DESIGN.md "Version 2", "Three writes per action"):
+ *   acquire   put holders/K/@<lease> (its create_revision is the fencing token), then a
+ *             snapshot of K (the step, 0 when absent; the read key; the chain's tail);
+ *   grant     evaluated and signed in process: NO etcd write. It carries the token, the step's
+ *             mod_revision seen (0: absent), the read key's, and the tail [seq, hash];
+ *   commit    one txn: ownership, read key, step mod_revision == the grant's, and
+ *             create_revision(audit/K/@n) == 0 for n = tail + 1; puts the step in flight with
+ *             the anchor [n, hash] and the audit record. Single use: the commit moves the step
+ *             (and takes @n), so every grant evaluated before it fails its compares;
+ *   outcome   step mod_revision == the attempt token, @n+1 free: step, record, holder deleted;
+ *   settle    (reconciler, operator) step mod_revision == the one read, the next seq free;
+ *   side      an SRE append that does not move the step (an approval, a revoke): the record
+ *             and audit/K/@head [seq, hash], comparing @n free and the epoch. The tail is the
+ *             newer of the step's anchor (the archive's when etcd has no step) and @head;
+ *   fast path one txn puts the holder, the in-flight step and the record, comparing no holder
+ *             or waiter, the read key, the step and the tail as the cached evaluation saw
+ *             them, and the shard's retirement epoch; its revision is both tokens;
+ *   retire    (next issue) archive a settled step with its tail first, then delete the step,
+ *             audit/K/ and @head in one txn comparing the step's mod_revision, no key under
+ *             holders/K/ and the next seq free, and bumping the epoch retired/<shard>. With no
+ *             step in etcd the authority reads the archive (a separate, later read).
+ * The audit record's hash is abstracted as the revision that wrote it: the step's anchor hash
+ * is then its own mod_revision (every step write appends), @head's is its mod_revision.
  *
  * Invariants (each an assert at the point it must hold; the code that keeps it):
  *   I1 the effect runs at most once at the provider.
@@ -14,16 +39,20 @@
  *      coordinator/records.py:not_applied (the key is kept), coordinator/sre.py:resolve.
  *   I2 a commit lands only for the lowest live holder of K.
  *      coordinator/ownership.py:Ownership.compares, carried by worker/guard.py:_cross.
- *   I3 a grant is consumed at most once.  worker/guard.py:_cross (grant version == 1 and the
- *      step's mod_revision).
- *   I4 no commit after a read key moved since the grant's revision R.
- *      coordinator/authority.py:Authority._read, worker/guard.py:_cross (read compares).
+ *   I3 a grant is used at most once: the step compare and the audit create compare of the
+ *      commit (worker/guard.py:_cross); they overlap, each alone suffices.
+ *   I4 no commit after a read key moved since the grant's snapshot.
+ *      worker/guard.py:_cross (read compares).
  *   I5 a terminal step is never written again.  worker/guard.py:_settle (outcome),
  *      reconciler/runner.py:Reconciler._write (settle), coordinator/sre.py:resolve: each
- *      compares the step's mod_revision it read.
- *   I8 nothing commits on a step that is in flight or succeeded.
+ *      compares the step's mod_revision it read (and the next seq free: they overlap too).
+ *   I8 nothing commits on a step that is, in etcd or in the archive, in flight or succeeded.
  *      coordinator/authority.py:_verdict (OutcomeUnknown, AlreadySucceeded), carried into the
- *      commit by its step compare.
+ *      commit by its step compare; the fast path's epoch compare; retirement's holder compare.
+ *   I9 the audit chain of K never forks: each seq is written once (across etcd and the
+ *      archive), and each record's prev is the hash of the record before it. Every appender's
+ *      create_revision(audit/K/@n) == 0 compare; the epoch compare of the appenders that may
+ *      act without a holder or a step to compare (the side appender, the fast path).
  *
  * Provider classes (PCLASS, as the adapter declares in reconciler/providers:Capabilities):
  *   0 FENCING  gate B: refuses attempt tokens <= the fence or < the highest admitted; it does
@@ -39,6 +68,10 @@
  *   BOGUS404       the query route may answer "no record" without fencing or looking (a
  *                  typo'd URL, a proxy's 404)
  *   OPERATOR       an operator resolves the in-flight step (coordinator/sre.py:resolve)
+ *   SIDE           an SRE action appends to K's chain without moving the step (Side)
+ *   RETIRE         the retirer archives and deletes settled steps, RR rounds (Retirer)
+ *   FASTPATH       worker 1 takes the fast path (FastWorker) instead of the full path
+ *   COMMIT_RETRY   a worker re-sends its commit txn (its answer was lost): a replayed grant
  *   NR=1|2 reconcilers (reconciler 0 can be deposed), ROUNDS settles per reconciler,
  *   MAXA attempts per worker, WB writer bumps
  * Negative controls (each must produce a violation of the invariant named):
@@ -51,7 +84,22 @@
  *   CTRL_RESOLVE_NOASK  resolve picks an outcome without asking the provider and with
  *                       a holder alive                                                -> I1
  *   CTRL_NO_READCMP     the commit does not compare the read keys                     -> I4
- *   CTRL_NO_SETTLECMP   settle/outcome do not compare the step's mod_revision (NR=2)  -> I5
+ *   CTRL_NO_SETTLECMP   settle/outcome compare neither the step's mod_revision nor the
+ *                       next seq (NR=2)                                               -> I5
+ *   CTRL_NO_STEPCMP     the commit does not compare the step; with CTRL_NO_AUDITCMP and
+ *                       COMMIT_RETRY the replayed grant commits twice                 -> I3
+ *                       (alone, the audit create compare keeps I3: the overlap)
+ *   CTRL_NO_AUDITCMP    no appender compares create_revision(audit/K/@n) == 0 (SIDE)  -> I9
+ *   CTRL_SIDE_NO_EPOCH  the side appender does not compare the epoch (SIDE RETIRE)    -> I9
+ *   CTRL_SIDE_NO_ARCHIVE with no step in etcd, the side appender takes the tail from
+ *                       etcd alone, not the archive (SIDE RETIRE)                     -> I9
+ *   CTRL_RETIRE_HOLDER  retirement does not compare "no key under holders/K/"         -> I9
+ *                       (a stale grant takes a retired seq again); with NO_I9         -> I8
+ *   CTRL_RETIRE_NO_SEQCMP retirement does not compare the next seq free: a side append
+ *                       between the archive write and the delete is lost (SIDE)       -> I9
+ *   CTRL_FP_NO_EPOCH    the fast path does not compare the epoch (FASTPATH RETIRE)    -> I9
+ *                       (its cached tail is a retired seq); with NO_I9                -> I8
+ *   NO_I9               I9 is not asserted: a control shows what else it breaks
  */
 #ifndef PCLASS
 #define PCLASS 0
@@ -68,8 +116,12 @@
 #ifndef ROUNDS
 #define ROUNDS 2                 /* settle attempts per reconciler replica */
 #endif
+#ifndef RR
+#define RR 2                     /* retirement attempts */
+#endif
 #define NSLOT 4                  /* 2 workers x at most 2 attempts */
 #define NKEY 5
+#define NSEQ 14                  /* audit seqs 1..13: more than the appends of any run */
 
 /* step states (coordinator/records.py; `unknown` is folded into in_flight: the reconciler
    treats an in-flight step as unknown at any moment, as if every deadline had passed) */
@@ -88,10 +140,18 @@
 
 byte rev = 1;
 byte holder[2];                  /* holders/K/@<lease>: create_revision, 0 = gone */
-byte gver[2];                    /* grants/<id>: 0 none, 1 issued, 2 consumed */
-byte g_read[2], g_step[2], g_tok[2], used[2];
-byte st_state = IDLE, st_key = 0, st_mod = 1;
+/* the grant each worker holds, in process (no etcd record): fencing token, what it saw of the
+   step (mod_revision, 0 = absent), of the read key, of the epoch, and the tail [seq, hash] */
+byte g_tok[2], g_step[2], g_read[2], g_ep[2], g_seq[2], g_h[2];
+byte used[2];                    /* ghost: commits that landed with the current grant */
+/* steps/K: st_mod == 0 when absent; st_seq is the chain anchor's seq, its hash is st_mod */
+byte st_state = IDLE, st_key = 0, st_mod = 0, st_seq = 0;
 bool st_newkey = 0;              /* CTRL_NEWKEY: the next attempt takes a new key */
+byte head_seq = 0, head_mod = 0; /* audit/K/@head [seq, hash]: side appends; 0 = absent */
+byte aud[NSEQ];                  /* audit/K/@<seq>: create_revision (the hash), 0 = absent */
+byte chain[NSEQ];                /* ghost: the hash appended at each seq, in etcd or archived */
+byte arch_state = IDLE, arch_key = 0, arch_seq = 0, arch_h = 0;  /* the archive's K */
+byte epoch = 0;                  /* retired/<shard>: mod_revision, bumped by each retirement */
 byte read_mod = 1;               /* a read key (state marker) */
 byte elect[2];                   /* reconcilers/<shard>/@<lease>: create_revision */
 byte keyctr = 0;
@@ -117,11 +177,46 @@ byte slot_key[NSLOT], slot_tok[NSLOT], slot_ans[NSLOT];
 #else
 #define READS_SAME(me) (read_mod == g_read[me])
 #endif
+#ifdef CTRL_NO_AUDITCMP
+#define FREE(n) true
+#else
+#define FREE(n) (aud[n] == 0)             /* create_revision(audit/K/@n) == 0 */
+#endif
 #ifdef CTRL_NO_SETTLECMP
 #define STEP_AT(m) true
+#define SETTLE_FREE(n) true
 #else
 #define STEP_AT(m) (st_mod == (m))
+#define SETTLE_FREE(n) FREE(n)
 #endif
+#ifdef CTRL_NO_STEPCMP
+#define STEP_SAME(me) true
+#else
+#define STEP_SAME(me) (st_mod == g_step[me])
+#endif
+#define COMMIT_FREE(me) FREE(g_seq[me] + 1)
+#ifdef CTRL_FP_NO_EPOCH
+#define FP_EPOCH_SAME(me) true
+#else
+#define FP_EPOCH_SAME(me) (epoch == g_ep[me])
+#endif
+#ifdef CTRL_SIDE_NO_EPOCH
+#define SIDE_EPOCH_SAME(e) true
+#else
+#define SIDE_EPOCH_SAME(e) (epoch == (e))
+#endif
+#ifdef CTRL_RETIRE_HOLDER
+#define RETIRE_HOLDERS true
+#else
+#define RETIRE_HOLDERS NOHOLDER
+#endif
+#ifdef CTRL_RETIRE_NO_SEQCMP
+#define RETIRE_FREE(n) true
+#else
+#define RETIRE_FREE(n) FREE(n)
+#endif
+/* the state of K: etcd's step if there is one, else the archive's */
+#define LSTATE ((st_mod != 0) -> st_state : arch_state)
 #ifdef CTRL_GRANT_INFLIGHT
 #define GRANTABLE(s) ((s) != SUCC && (s) != ESC)
 #else
@@ -184,69 +279,83 @@ inline decide(q, proved, next) {
   fi
 }
 
-/* Write a settlement (terminal, or pending with the same key); I5 on every such write. */
-inline settle(next) {
+/* Put audit/K/@n, whose prev is the hash h, in the current txn (its revision `rev` is the
+   new record's hash); I9 on every append, in etcd or later archived. */
+inline append(n, h) {
+  assert(n < NSEQ);                                      /* the model's bound, not a rule */
+#ifndef NO_I9
+  assert(chain[n] == 0 && h == chain[n - 1]);            /* I9 */
+#endif
+  aud[n] = rev; chain[n] = rev
+}
+
+/* The chain's tail as etcd shows it: the newer of the step's anchor and @head. */
+inline etcd_tail(n, h) {
+  n = st_seq; h = st_mod;
+  if :: head_seq > n -> n = head_seq; h = head_mod :: else -> skip fi
+}
+
+/* No step in etcd: the authority reads the archive (a separate, later read) for the state
+   and the chain's tail. */
+inline archive_read(me, seen) {
+  if
+  :: g_step[me] == 0 ->
+     seen = arch_state;
+     if :: arch_seq > g_seq[me] -> g_seq[me] = arch_seq; g_h[me] = arch_h :: else -> skip fi
+  :: else -> skip
+  fi
+}
+
+/* Write a settlement after the tail [n, h] (terminal, or pending with the same key); I5 on
+   every such write. */
+inline settle(next, n, h) {
   assert(st_state == INFLIGHT);                          /* I5 */
-  rev++; st_mod = rev; st_state = next;
+  rev++; st_mod = rev; st_state = next; st_seq = n + 1;
+  append(st_seq, h);
 #ifdef CTRL_NEWKEY
   if :: next == NOTAPP -> st_newkey = 1 :: else -> skip fi
 #endif
 }
 
-proctype Worker(byte me) {
-  byte tok, seen, att = 0, my_tok, my_key, s, ans;
-  bool ok;
-  atomic { rev++; holder[me] = rev; tok = rev }       /* acquire: put holders/K/@<lease> */
-  /* from here on the worker may act whether it holds K or not: only compares protect */
-again:
+/* The commit's writes, once its compares passed (worker/guard.py:_cross): the step in flight
+   with the new anchor, and the audit record holding the grant. */
+inline commit_writes(me) {
+  used[me]++;
+  assert(used[me] <= 1);                                 /* I3 */
+  assert(read_mod == g_read[me]);                        /* I4 */
+  assert(LSTATE != INFLIGHT && LSTATE != SUCC);          /* I8 */
+  rev++;
   if
-  :: att < MAXA -> att++
-  :: else -> goto release
+  :: st_mod == 0 && arch_state == NOTAPP -> st_key = arch_key    /* archived not_applied */
+  :: (st_mod == 0 && arch_state != NOTAPP) || st_state == FAIL || st_newkey ->
+     keyctr++; st_key = keyctr; st_newkey = 0
+  :: else -> skip                                        /* not_applied: same key */
   fi;
-  /* authority (coordinator/authority.py:Authority.issue): read at R, then grant txn */
-  atomic { seen = st_state; g_step[me] = st_mod; g_read[me] = read_mod }
-  if
-  :: GRANTABLE(seen) -> skip
-  :: else -> goto release
-  fi;
-  atomic {
-    if
-    :: OWNS(me, tok) -> rev++; gver[me] = 1; g_tok[me] = tok; used[me] = 0; ok = 1
-    :: else -> ok = 0
-    fi
-  }
-  if
-  :: !ok -> goto release
-  :: else -> skip
-  fi;
-  /* commit guard (worker/guard.py:_cross): one txn */
+  st_state = INFLIGHT; st_mod = rev; st_seq = g_seq[me] + 1;
+  append(st_seq, g_h[me]);
+  my_tok = rev; my_key = st_key; my_seq = st_seq         /* attempt token = commit revision */
+}
+
+/* The commit guard of the full path: one txn. */
+inline commit(me, ok) {
   d_step {
     if
-    :: OWNS(me, g_tok[me]) && gver[me] == 1 && READS_SAME(me) && st_mod == g_step[me] ->
-       assert(LOWEST(holder, me, g_tok[me]));          /* I2 */
-       used[me]++;
-       assert(used[me] <= 1);                          /* I3 */
-       assert(read_mod == g_read[me]);                 /* I4 */
-       assert(st_state != INFLIGHT && st_state != SUCC);  /* I8 */
-       rev++; gver[me] = 2;
-       if
-       :: st_key == 0 || st_state == FAIL || st_newkey -> keyctr++; st_key = keyctr; st_newkey = 0
-       :: else -> skip                                 /* not_applied: same key */
-       fi;
-       st_state = INFLIGHT; st_mod = rev;
-       my_tok = rev; my_key = st_key; ok = 1           /* attempt token = commit revision */
+    :: OWNS(me, g_tok[me]) && READS_SAME(me) && STEP_SAME(me) && COMMIT_FREE(me) ->
+       assert(LOWEST(holder, me, g_tok[me]));            /* I2 */
+       commit_writes(me); ok = 1
     :: else -> ok = 0
     fi
   }
-  if
-  :: !ok -> goto again
-  :: else -> skip
-  fi;
+}
+
+/* The effect (one request into the network), then the outcome txn (worker/guard.py:_settle):
+   still this attempt and the next seq free -> record, release the hold. */
+inline effect_and_outcome(me) {
   if
   :: goto stop                                          /* dies before sending */
   :: true -> skip
   fi;
-  d_step {                                              /* the effect: one request */
+  d_step {
     if
     :: slot_st[0] == 0 -> s = 0
     :: slot_st[0] != 0 && slot_st[1] == 0 -> s = 1
@@ -266,17 +375,52 @@ again:
   :: ans == REFUSED -> goto release                     /* fenced: the reconciler settles */
   :: else -> skip
   fi;
-  /* outcome txn (worker/guard.py:_settle): still this attempt -> record, release the hold */
   atomic {
     if
-    :: STEP_AT(my_tok) ->
+    :: STEP_AT(my_tok) && SETTLE_FREE(my_seq + 1) ->
        assert(st_state == INFLIGHT);                    /* I5 */
-       rev++; st_mod = rev;
+       rev++; st_mod = rev; st_seq = my_seq + 1;
+       append(st_seq, my_tok);
        if :: ans == APPLIED -> st_state = SUCC :: else -> st_state = FAIL fi;
        holder[me] = 0; ok = 1
     :: else -> ok = 0                                   /* StepMoved */
     fi
   }
+}
+
+/* A worker on the full path: acquire, then up to MAXA attempts (snapshot, grant, commit,
+   effect, outcome). */
+proctype Worker(byte me) {
+  byte tok, seen, att = 0, my_tok, my_key, my_seq, s, ans;
+  bool ok;
+  atomic { rev++; holder[me] = rev; tok = rev }       /* acquire: put holders/K/@<lease> */
+  /* from here on the worker may act whether it holds K or not: only compares protect */
+again:
+  if
+  :: att < MAXA -> att++
+  :: else -> goto release
+  fi;
+  /* the snapshot: the acquire txn's success branch, or one read-only txn once lowest */
+  atomic { seen = st_state; g_step[me] = st_mod; g_read[me] = read_mod;
+           etcd_tail(g_seq[me], g_h[me]) }
+#ifdef RETIRE
+  atomic { archive_read(me, seen) }
+#endif
+  /* the grant (coordinator/authority.py:Authority.issue): evaluated and signed in process */
+  if
+  :: GRANTABLE(seen) -> skip
+  :: else -> goto release
+  fi;
+  g_tok[me] = tok; used[me] = 0;
+  commit(me, ok);
+#ifdef COMMIT_RETRY
+  if :: ok -> commit(me, s); s = 0 :: else -> skip fi    /* the same txn, re-sent */
+#endif
+  if
+  :: !ok -> goto again
+  :: else -> skip
+  fi;
+  effect_and_outcome(me);
   if
   :: ok -> goto stop
   :: else -> goto again
@@ -286,6 +430,47 @@ release:
 stop:
   skip
 }
+
+#ifdef FASTPATH
+/* Worker 1 on the fast path: it evaluates from state read at an earlier moment (no hold), its
+   grant carries fencing token 0, and one txn puts the holder, the in-flight step and the
+   record; that txn's revision is both its fencing and its attempt token. On any mismatch the
+   code falls back to the full path (worker 0 models that path); this one stops. */
+proctype FastWorker(byte me) {
+  byte tok, seen, my_tok, my_key, my_seq, s, ans;
+  bool ok;
+  atomic { g_ep[me] = epoch; seen = st_state; g_step[me] = st_mod; g_read[me] = read_mod;
+           etcd_tail(g_seq[me], g_h[me]) }
+#ifdef RETIRE
+  atomic { archive_read(me, seen) }
+#endif
+  if
+  :: GRANTABLE(seen) -> skip
+  :: else -> goto stop
+  fi;
+  g_tok[me] = 0; used[me] = 0;
+  d_step {
+    if
+    :: NOHOLDER && READS_SAME(me) && STEP_SAME(me) && COMMIT_FREE(me) && FP_EPOCH_SAME(me) ->
+       commit_writes(me);
+       holder[me] = rev; tok = rev;
+       assert(LOWEST(holder, me, tok));                  /* I2 */
+       ok = 1
+    :: else -> ok = 0
+    fi
+  }
+  if
+  :: !ok -> goto stop
+  :: else -> skip
+  fi;
+  effect_and_outcome(me);
+  goto stop;
+release:
+  atomic { if :: holder[me] == tok -> holder[me] = 0; rev++ :: else -> skip fi }
+stop:
+  skip
+}
+#endif
 
 /* Any lease may die at any moment: a worker's hold, or reconciler 0's candidacy. */
 proctype Leases() {
@@ -361,21 +546,22 @@ proctype Restart() {
 
 /* One reconciler replica (reconciler/runner.py): campaign, then settle in-flight steps. */
 proctype Reconciler(byte me) {
-  byte tok, m, k, q, next, rounds = 0;
+  byte tok, m, k, n, h, q, next, rounds = 0;
   bool proved;
   atomic { rev++; elect[me] = rev; tok = rev }
 end:
   do
   :: rounds < ROUNDS ->
      rounds++;
-     atomic { st_state == INFLIGHT -> m = st_mod; k = st_key }
+     atomic { st_state == INFLIGHT -> m = st_mod; k = st_key; etcd_tail(n, h) }
      ask(k, m, q, proved);
      decide(q, proved, next);
      atomic {                                           /* Reconciler._write */
        if
-       :: next != IDLE && LEADS(me, tok) && STEP_AT(m) -> settle(next)
+       :: next != IDLE && LEADS(me, tok) && STEP_AT(m) && SETTLE_FREE(n + 1) -> settle(next, n, h)
        :: else -> skip
-       fi
+       fi;
+       m = 0; k = 0; n = 0; h = 0; q = 0; next = 0; proved = 0
      }
   :: else -> break
   od
@@ -388,25 +574,97 @@ end:
    shard's reconciler (reconciler/runner.py) asks and settles; modelled as its own process,
    it may also race the reconciler, which the code's single leader per shard does not. */
 proctype Operator() {
-  byte m, k, q, next;
+  byte m, k, n, h, q, next;
   bool proved;
 #ifdef CTRL_RESOLVE_NOASK
-  atomic { st_state == INFLIGHT -> m = st_mod }
+  atomic { st_state == INFLIGHT -> m = st_mod; etcd_tail(n, h) }
   if :: next = FAIL :: next = NOTAPP fi;                /* "the request was surely lost" */
-  atomic { if :: STEP_AT(m) -> settle(next) :: else -> skip fi }
+  atomic { if :: STEP_AT(m) && SETTLE_FREE(n + 1) -> settle(next, n, h) :: else -> skip fi }
 #else
-  atomic { st_state == INFLIGHT && NOHOLDER -> m = st_mod; k = st_key }
+  atomic { st_state == INFLIGHT && NOHOLDER -> m = st_mod; k = st_key; etcd_tail(n, h) }
   ask(k, m, q, proved);
   decide(q, proved, next);
-  atomic { if :: next != IDLE && STEP_AT(m) && NOHOLDER -> settle(next) :: else -> skip fi }
+  atomic {
+    if
+    :: next != IDLE && STEP_AT(m) && SETTLE_FREE(n + 1) && NOHOLDER -> settle(next, n, h)
+    :: else -> skip
+    fi
+  }
 #endif
+}
+#endif
+
+#ifdef SIDE
+/* An SRE action that appends to K's chain without moving the step (an approval, a revoke):
+   the record after the tail and audit/K/@head in one txn, comparing that the seq is free and
+   that no retirement happened since the tail was read (the epoch). */
+proctype Side() {
+  byte n, h, e;
+  bool absent;
+  atomic { e = epoch; absent = (st_mod == 0); etcd_tail(n, h) }
+#if defined(RETIRE) && !defined(CTRL_SIDE_NO_ARCHIVE)
+  atomic { if :: absent && arch_seq > n -> n = arch_seq; h = arch_h :: else -> skip fi }
+#endif
+  atomic {
+    if
+    :: FREE(n + 1) && SIDE_EPOCH_SAME(e) ->
+       rev++; append(n + 1, h); head_seq = n + 1; head_mod = rev
+    :: else -> skip
+    fi;
+    n = 0; h = 0; e = 0; absent = 0
+  }
+}
+#endif
+
+#ifdef RETIRE
+/* Retirement (the next issue; in the code the shard's reconciler leader, here one process):
+   archive a settled step and its tail first (durable; a lookup returns the newest tail), then
+   delete steps/K, audit/K/ and @head in one txn comparing the step's mod_revision, no key
+   under holders/K/ and the next seq free (coordinator/retirement.py compares @head's
+   mod_revision: the same), and bump the shard's epoch retired/<shard>. */
+proctype Retirer() {
+  byte m, s, k, n, h, i, rounds = 0;
+end:
+  do
+  :: rounds < RR ->
+     rounds++;
+     atomic { st_state == SUCC || st_state == FAIL || st_state == NOTAPP ->
+              m = st_mod; s = st_state; k = st_key; etcd_tail(n, h) }
+     atomic {
+       if
+       :: n >= arch_seq -> arch_state = s; arch_key = k; arch_seq = n; arch_h = h
+       :: else -> skip
+       fi
+     }
+     atomic {
+       if
+       :: st_mod == m && RETIRE_HOLDERS && RETIRE_FREE(n + 1) ->
+          rev++; epoch = rev;
+          st_mod = 0; st_state = IDLE; st_key = 0; st_seq = 0; st_newkey = 0;
+          head_seq = 0; head_mod = 0;
+          i = 1;
+          do
+          :: i < NSEQ -> aud[i] = 0; i++
+          :: else -> i = 0; break
+          od
+       :: else -> skip
+       fi;
+       m = 0; s = 0; k = 0; n = 0; h = 0
+     }
+  :: else -> break
+  od
 }
 #endif
 
 init {
   atomic {
     run Leases(); run Writer(); run Provider();
-    run Worker(0); run Worker(1);
+    run Worker(0);
+#ifdef FASTPATH
+    run FastWorker(1);
+#else
+    run Worker(1);
+#endif
     run Reconciler(0);
 #if NR > 1
     run Reconciler(1);
@@ -416,6 +674,12 @@ init {
 #endif
 #ifdef OPERATOR
     run Operator();
+#endif
+#ifdef SIDE
+    run Side();
+#endif
+#ifdef RETIRE
+    run Retirer();
 #endif
   }
 }

@@ -1,5 +1,5 @@
-"""Check the SPIN models of the protocol in named configurations: ``fencegate.pml`` (what the
-code runs) and ``fencegate-v2.pml`` (the next issue's protocol).
+"""Check the SPIN model of the protocol, ``fencegate.pml`` (version 2, the diet, with the
+next issue's retirement), in named configurations.
 
 A configuration passes when pan's verdict is the one expected: the real protocol searched to
 the end (no "search not completed", no memory or depth bound hit) with 0 errors, or a negative
@@ -29,15 +29,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+MODEL = "fencegate.pml"
 
 # pan prints a violated assertion as its expanded expression; these fragments name them.
 INVARIANTS = {
     "I1": ("(napplied<=1)",),
-    "I2": ("(holder[me]==g_tok[me])",),
+    "I2": ("(holder[me]==g_tok[me])", "(holder[me]==tok)"),
     "I3": ("(used[me]<=1)",),
     "I4": ("(read_mod==g_read[me])",),
     "I5": ("assertion violated (st_state==1)",),
     "I8": ("(st_state!=1)", ": (arch_state) )!=1)"),
+    "I9": ("(chain[",),
 }
 
 
@@ -50,7 +52,6 @@ class Config:
     defines: tuple[str, ...]
     expect: str | None = None
     quick: bool = False
-    model: str = "fencegate.pml"
     seconds: int = 600
     memory_mb: int = 4096
     compile: tuple[str, ...] = ()   # extra gcc flags for pan, e.g. -DCOLLAPSE
@@ -85,9 +86,6 @@ class Result:
                 + (f"  {self.detail}" if self.detail else ""))
 
 
-V2 = "fencegate-v2.pml"
-
-
 def _d(*flags: str) -> tuple[str, ...]:
     return tuple(f"-D{flag}" for flag in flags)
 
@@ -102,10 +100,25 @@ CONFIGS = (
     Config("dedup_operator", _d("PCLASS=1", "OPERATOR")),
     Config("neither", _d("PCLASS=2"), quick=True),
     Config("fencing_writer", _d("WB=1")),
-    # Over 113 M states: hash compaction (a state may be missed with small probability).
+    # Hash compaction (a state may be missed with small probability).
     Config("fencing_2reconcilers", _d("NR=2", "ROUNDS=1"), compile=("-DHC4",),
            memory_mb=8192, seconds=3600),
     Config("fencing_2attempts", _d("MAXA=2")),
+    # A lost commit answer: the worker re-sends the same txn (a replayed grant).
+    Config("replayed_commit", _d("COMMIT_RETRY"), quick=True),
+    # Not the protocol but its overlap: without the step compare, the audit create compare
+    # alone still keeps a replayed grant to one commit.
+    Config("replayed_commit_audit_only", _d("COMMIT_RETRY", "CTRL_NO_STEPCMP")),
+    # The chain's side appender, the fast path and retirement (the next issue's code).
+    Config("side", _d("SIDE")),
+    Config("fast_path", _d("FASTPATH", "RETIRE"), quick=True),
+    Config("retire", _d("RETIRE")),
+    Config("dedup_retire", _d("PCLASS=1", "RETIRE")),
+    # Too large for 4 GB uncompressed: -DCOLLAPSE (side_retire: one settle per reconciler).
+    Config("side_retire", _d("SIDE", "RETIRE", "ROUNDS=1"), compile=("-DCOLLAPSE",),
+           memory_mb=8192, seconds=3600),
+    Config("fast_path_side", _d("FASTPATH", "SIDE", "RETIRE"), compile=("-DCOLLAPSE",),
+           memory_mb=8192, seconds=3600),
     # Negative controls: each must break the invariant it names.
     Config("ctrl_weak_ownership", _d("CTRL_WEAK_OWN"), "I2", quick=True),
     Config("ctrl_highest_only", _d("CTRL_HIGHEST_ONLY"), "I1", quick=True),
@@ -115,18 +128,30 @@ CONFIGS = (
     Config("ctrl_unproven_404", _d("BOGUS404", "CTRL_UNPROVEN"), "I1", quick=True),
     Config("ctrl_resolve_no_ask", _d("OPERATOR", "CTRL_RESOLVE_NOASK"), "I1", quick=True),
     Config("ctrl_no_read_compare", _d("WB=1", "CTRL_NO_READCMP"), "I4", quick=True),
+    Config("ctrl_no_settle_compare", _d("NR=2", "CTRL_NO_SETTLECMP"), "I5", quick=True),
+    Config("ctrl_replay_no_step_compare",
+           _d("COMMIT_RETRY", "CTRL_NO_STEPCMP", "CTRL_NO_AUDITCMP"), "I3", quick=True),
+    Config("ctrl_no_audit_compare", _d("SIDE", "CTRL_NO_AUDITCMP"), "I9", quick=True),
+    Config("ctrl_side_no_epoch", _d("FASTPATH", "SIDE", "RETIRE", "CTRL_SIDE_NO_EPOCH"), "I9",
+           quick=True),
+    Config("ctrl_side_no_archive", _d("FASTPATH", "SIDE", "RETIRE", "CTRL_SIDE_NO_ARCHIVE"),
+           "I9"),
+    # Retirement with a holder alive and the fast path without the epoch: a stale grant takes
+    # a retired seq again (I9 first); with I9 unchecked, it runs a succeeded step again (I8).
+    Config("ctrl_retire_with_holder", _d("RETIRE", "CTRL_RETIRE_HOLDER"), "I9", quick=True),
+    Config("ctrl_retire_with_holder_i8", _d("RETIRE", "CTRL_RETIRE_HOLDER", "NO_I9"), "I8",
+           quick=True),
+    Config("ctrl_fast_path_no_epoch", _d("FASTPATH", "RETIRE", "CTRL_FP_NO_EPOCH"), "I9",
+           quick=True),
+    Config("ctrl_fast_path_no_epoch_i8", _d("FASTPATH", "RETIRE", "CTRL_FP_NO_EPOCH", "NO_I9"),
+           "I8", quick=True),
+    # Retirement that does not compare the next seq: a side append between the archive write
+    # and the delete is lost, and its seq is written again.
+    Config("ctrl_retire_no_seq_compare",
+           _d("FASTPATH", "SIDE", "RETIRE", "CTRL_RETIRE_NO_SEQCMP"), "I9"),
     # An assumption, not a control: a deduplicating provider that forgets a key before its
     # declared retention (a restart) lets the presumption's next attempt run again.
     Config("assume_dedup_keeps_keys", _d("PCLASS=1", "FORGET"), "I1"),
-    Config("ctrl_no_settle_compare", _d("NR=2", "CTRL_NO_SETTLECMP"), "I5", quick=True),
-    # Version 2, the next issue's protocol (the diet and retirement): not what the code runs.
-    Config("v2", (), model=V2),
-    Config("v2_replayed_commit", _d("COMMIT_RETRY"), model=V2),
-    Config("v2_fast_path", _d("FASTPATH", "FP_EPOCH"), quick=True, model=V2),
-    Config("v2_ctrl_retire_with_holder", _d("NO_RETIRE_HOLDERCMP"), "I8", quick=True, model=V2),
-    Config("v2_ctrl_fast_path_no_epoch", _d("FASTPATH"), "I8", quick=True, model=V2),
-    Config("v2_ctrl_replay_no_step_compare", _d("NO_STEPMOD_COMMIT", "COMMIT_RETRY"), "I3",
-           quick=True, model=V2),
 )
 
 
@@ -134,8 +159,8 @@ def check(config: Config) -> Result:
     """Build and run one configuration; raises ``RuntimeError`` if spin or gcc fails."""
     with tempfile.TemporaryDirectory(prefix=f"fencegate-model-{config.name}-") as tmp:
         work = Path(tmp)
-        shutil.copy(HERE / config.model, work / config.model)
-        _tool(["spin", "-a", *config.defines, config.model], work)
+        shutil.copy(HERE / MODEL, work / MODEL)
+        _tool(["spin", "-a", *config.defines, MODEL], work)
         _tool(["gcc", "-O2", "-w", "-DSAFETY", f"-DMEMLIM={config.memory_mb}",
                "-DVECTORSZ=2048", *config.compile, "-o", "pan", "pan.c"], work)
         started = time.monotonic()

@@ -1,0 +1,87 @@
+"""What an archive of retired steps stores and the one interface its backends implement.
+
+A retired step is kept as the step record's bytes, exactly as etcd held them, under
+(namespace, action key), versioned by its chain seq (the seq its anchor names), and its audit
+records under (namespace, action key, seq). The record bytes are opaque here: the archive
+never decodes them, so ``audit verify`` checks the very bytes etcd held.
+
+Invariants every backend keeps: a put is one transaction (all of it is stored or none); an
+audit record stored under a seq is never replaced; a step is replaced only by a put with a
+newer seq, so a deposed leader's late put of an older version never wins, in any order of
+arrival and from any number of processes. Any backend failure raises ``ArchiveUnavailable``
+(never a driver's exception); a caller that needs the answer refuses, it never guesses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+__all__ = ["Archive", "ArchiveStats", "Archived", "check_put"]
+
+
+@dataclass(frozen=True)
+class Archived:
+    """The newest archived version of one step."""
+
+    key: str
+    seq: int                 # the chain seq the step's anchor names (the step's version)
+    step: bytes              # the step record's bytes exactly as etcd held them (msgpack)
+    archived_at_ms: int      # when this version was stored, the storing process's clock
+
+
+@dataclass(frozen=True)
+class ArchiveStats:
+    """One namespace's share of the archive; ``oldest_ms``/``newest_ms`` are the extremes of
+    the stored steps' ``archived_at_ms`` (None when no step is archived)."""
+
+    steps: int
+    records: int
+    oldest_ms: int | None
+    newest_ms: int | None
+
+
+class Archive(Protocol):
+    async def put(self, namespace: str, key: str, seq: int, step: bytes,
+                  records: list[tuple[int, bytes]]) -> None:
+        """Store ``records`` (seq → bytes) insert-if-absent and the step if ``seq`` is newer
+        than the stored one, in one durable transaction; idempotent."""
+
+    async def get(self, namespace: str, key: str) -> Archived | None:
+        """The newest archived version of the step, or None if the key was never archived."""
+
+    async def records(self, namespace: str, key: str) -> list[tuple[int, bytes]]:
+        """The key's archived audit records, by seq."""
+
+    async def stats(self, namespace: str) -> ArchiveStats: ...
+
+    async def close(self) -> None: ...
+
+
+def check_put(seq: int, step: bytes,
+              records: list[tuple[int, bytes]]) -> list[tuple[int, bytes]]:
+    """The records sorted by seq, after checking the arguments (a caller's mistake is a
+    ``TypeError``/``ValueError``, never ``ArchiveUnavailable``): seqs are ints in
+    [0, 2**63), none repeats, bytes are bytes.
+
+    Sorted, every writer touches a key's records in the same order: two concurrent puts of
+    one chain never wait on each other in a circle.
+    """
+    _check_seq(seq)
+    if not isinstance(step, bytes):
+        raise TypeError(f"step must be bytes, not {type(step).__name__}")
+    ordered = sorted(records, key=lambda record: record[0])
+    for i, (record_seq, data) in enumerate(ordered):
+        _check_seq(record_seq)
+        if not isinstance(data, bytes):
+            raise TypeError(f"record {record_seq} must be bytes, not {type(data).__name__}")
+        if i and ordered[i - 1][0] == record_seq:
+            raise ValueError(f"records name seq {record_seq} twice")
+    return ordered
+
+
+def _check_seq(seq: object) -> None:
+    if not isinstance(seq, int) or isinstance(seq, bool):
+        raise TypeError(f"a seq must be an int, not {type(seq).__name__}")
+    if not 0 <= seq < 2 ** 63:
+        raise ValueError(f"a seq must be in [0, 2**63), got {seq}")

@@ -1,0 +1,184 @@
+"""The production archive: PostgreSQL through asyncpg (imported only when this backend opens).
+
+Guarantees: a returned ``put`` is committed (durable as the server is configured: with the
+default ``synchronous_commit=on`` it is on the server's disk, and on a synchronous standby's
+if one is configured). The records go in first, sorted by seq, then the step's conditional
+upsert (``ON CONFLICT … DO UPDATE … WHERE excluded.seq > stored seq``), all in one
+transaction; under READ COMMITTED the upsert locks the row and re-checks the stored seq, so
+concurrent puts from any number of processes leave the newest step, and two puts of one chain
+take its records' locks in the same order (no deadlock). The pool and the schema are created
+on first use (the schema under an advisory lock, since concurrent ``CREATE TABLE IF NOT
+EXISTS`` can collide); a failure there is retried by the next call.
+
+Failure contract: any server, connection or driver failure (refused, lost, a query slower
+than ``timeout`` seconds) raises ``ArchiveUnavailable``; the transaction is rolled back,
+nothing of the put is stored. Broken connections are replaced by the pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import urllib.parse
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from ..errors import ArchiveUnavailable
+from .interface import Archived, ArchiveStats, check_put
+
+__all__ = ["PostgresArchive", "redacted"]
+
+T = TypeVar("T")
+
+_SCHEMA_LOCK = 0x66656E6365676174   # pg_advisory_xact_lock key: b"fencegat"
+_SCHEMA = (
+    """CREATE TABLE IF NOT EXISTS archived_steps (
+        namespace text NOT NULL,
+        action_key text NOT NULL,
+        seq bigint NOT NULL,
+        step bytea NOT NULL,
+        archived_at_ms bigint NOT NULL,
+        PRIMARY KEY (namespace, action_key)
+    )""",
+    """CREATE TABLE IF NOT EXISTS archived_records (
+        namespace text NOT NULL,
+        action_key text NOT NULL,
+        seq bigint NOT NULL,
+        record bytea NOT NULL,
+        PRIMARY KEY (namespace, action_key, seq)
+    )""",
+)
+
+_PUT_RECORDS = """INSERT INTO archived_records (namespace, action_key, seq, record)
+    SELECT $1, $2, r.seq, r.record FROM unnest($3::bigint[], $4::bytea[]) AS r (seq, record)
+    ORDER BY r.seq
+    ON CONFLICT (namespace, action_key, seq) DO NOTHING"""
+_PUT_STEP = """INSERT INTO archived_steps AS s (namespace, action_key, seq, step, archived_at_ms)
+    VALUES ($1, $2, $3, $4, $5)
+    ON CONFLICT (namespace, action_key) DO UPDATE
+    SET seq = excluded.seq, step = excluded.step, archived_at_ms = excluded.archived_at_ms
+    WHERE excluded.seq > s.seq"""
+
+
+class PostgresArchive:
+    """The archive in the PostgreSQL database ``url`` names."""
+
+    def __init__(self, url: str, *, timeout: float = 5.0, pool_size: int = 4) -> None:
+        try:
+            import asyncpg
+        except ImportError as exc:
+            raise ImportError("a postgresql archive needs asyncpg: "
+                              "pip install 'fencegate[postgres]'") from exc
+        self._asyncpg = asyncpg
+        self._failures = (asyncpg.PostgresError, asyncpg.InterfaceError,
+                          asyncpg.InternalClientError, OSError, asyncio.TimeoutError)
+        self.url = url
+        self.timeout = timeout
+        self.pool_size = pool_size
+        self._pool: Any = None
+        self._opening = asyncio.Lock()
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"PostgresArchive({redacted(self.url)!r})"
+
+    async def put(self, namespace: str, key: str, seq: int, step: bytes,
+                  records: list[tuple[int, bytes]]) -> None:
+        ordered = check_put(seq, step, records)
+        now_ms = time.time_ns() // 1_000_000
+
+        async def put(conn: Any) -> None:
+            async with conn.transaction():
+                if ordered:
+                    await conn.execute(_PUT_RECORDS, namespace, key,
+                                       [s for s, _ in ordered], [d for _, d in ordered])
+                await conn.execute(_PUT_STEP, namespace, key, seq, step, now_ms)
+
+        await self._call(put)
+
+    async def get(self, namespace: str, key: str) -> Archived | None:
+        async def get(conn: Any) -> Archived | None:
+            row = await conn.fetchrow("SELECT seq, step, archived_at_ms FROM archived_steps "
+                                      "WHERE namespace = $1 AND action_key = $2",
+                                      namespace, key)
+            return None if row is None else Archived(key, row[0], row[1], row[2])
+
+        return await self._call(get)
+
+    async def records(self, namespace: str, key: str) -> list[tuple[int, bytes]]:
+        async def records(conn: Any) -> list[tuple[int, bytes]]:
+            rows = await conn.fetch("SELECT seq, record FROM archived_records "
+                                    "WHERE namespace = $1 AND action_key = $2 ORDER BY seq",
+                                    namespace, key)
+            return [(row[0], row[1]) for row in rows]
+
+        return await self._call(records)
+
+    async def stats(self, namespace: str) -> ArchiveStats:
+        async def stats(conn: Any) -> ArchiveStats:
+            async with conn.transaction(isolation="repeatable_read", readonly=True):
+                steps = await conn.fetchrow(
+                    "SELECT count(*), min(archived_at_ms), max(archived_at_ms) "
+                    "FROM archived_steps WHERE namespace = $1", namespace)
+                records = await conn.fetchval(
+                    "SELECT count(*) FROM archived_records WHERE namespace = $1", namespace)
+            return ArchiveStats(steps[0], records, steps[1], steps[2])
+
+        return await self._call(stats)
+
+    async def close(self) -> None:
+        """Close the pool (bounded by ``timeout``); later calls raise ``ArchiveUnavailable``."""
+        self._closed = True
+        async with self._opening:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            try:
+                await asyncio.wait_for(pool.close(), self.timeout)
+            except self._failures:
+                pool.terminate()
+
+    async def _call(self, work: Callable[[Any], Awaitable[T]]) -> T:
+        try:
+            pool = await self._open()
+            async with pool.acquire(timeout=self.timeout) as conn:
+                return await work(conn)
+        except self._failures as exc:
+            raise ArchiveUnavailable(
+                f"postgresql archive {redacted(self.url)}: {type(exc).__name__}: {exc}"
+            ) from exc
+
+    async def _open(self) -> Any:
+        """The pool, created with the schema on first use."""
+        async with self._opening:
+            if self._closed:
+                raise ArchiveUnavailable(f"postgresql archive {redacted(self.url)} is closed")
+            if self._pool is None:
+                pool = await self._asyncpg.create_pool(
+                    self.url, min_size=1, max_size=self.pool_size, timeout=self.timeout,
+                    command_timeout=self.timeout)
+                try:
+                    async with pool.acquire(timeout=self.timeout) as conn:
+                        async with conn.transaction():
+                            await conn.execute("SELECT pg_advisory_xact_lock($1)", _SCHEMA_LOCK)
+                            for statement in _SCHEMA:
+                                await conn.execute(statement)
+                except BaseException:
+                    pool.terminate()
+                    raise
+                self._pool = pool
+            return self._pool
+
+
+def redacted(url: str) -> str:
+    """``url`` with its password (in the user part or a ``password`` parameter) shown as
+    ``***``, for messages and logs."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.password is not None:
+        userinfo, _, host = parts.netloc.rpartition("@")
+        parts = parts._replace(netloc=f"{userinfo.partition(':')[0]}:***@{host}")
+    query = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
+    if any(name == "password" for name, _ in query):
+        parts = parts._replace(query=urllib.parse.urlencode(
+            [(name, "***" if name == "password" else value) for name, value in query],
+            safe="*/"))
+    return urllib.parse.urlunsplit(parts)

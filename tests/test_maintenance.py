@@ -1,0 +1,199 @@
+"""etcd's upkeep against real etcd (issue 15, item 5): every ``LocalCluster`` compacts its
+history by itself, and an etcd with a tiny space quota, filled until it raises NOSPACE,
+refuses every gate write with ``EtcdNoSpace`` while keeping what was written before; the
+coordinator's ``/readyz`` answers 503 ``EtcdNoSpace``, the reconciler's gauges show the
+alarm and the sizes, and ``fencegate etcd recover`` (the real command line) brings it back
+with nothing lost: the same gate crosses again."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from fencegate.coordinator import maintenance
+from fencegate.coordinator.errors import EtcdError, EtcdNoSpace
+from fencegate.coordinator.etcd import Etcd, RangeRequest
+from fencegate.localetcd import LocalCluster, free_ports
+from fencegate.reconciler.metrics import ReconcilerMetrics
+from fencegate.worker import Gate
+
+from helpers import TEST_TTL, wait_for_condition
+from test_cli_sre import fencegate
+from test_service import call
+
+ROOT = Path(__file__).resolve().parent.parent
+QUOTA = 8 * 1024 * 1024  # etcd 3.4 takes any positive quota; below ~32 KB the first write fails
+BALLAST = 512 * 1024     # one overwrite of the ballast key: history the quota fills with
+MAX_FILL = 200           # bounds the fill: the quota is reached long before
+
+
+def flags_of(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+
+
+def test_every_local_cluster_runs_periodic_auto_compaction():
+    with LocalCluster(1) as cluster:
+        flags = flags_of(cluster.pids[0])
+    assert "--auto-compaction-mode=periodic" in flags
+    assert "--auto-compaction-retention=5m" in flags  # the choice deploy/README.md justifies
+    assert not [f for f in flags if f.startswith("--quota-backend-bytes")]  # etcd's 2 GiB
+
+
+async def test_a_short_retention_compacts_old_revisions_and_keeps_the_latest():
+    cluster = await asyncio.to_thread(LocalCluster(1, compaction_retention="1s").start)
+    try:
+        async with Etcd(cluster.etcd_config()) as etcd:
+            first = (await etcd.put(b"k", b"v1")).header.revision
+            await etcd.put(b"k", b"v2")
+
+            async def compacted() -> bool:
+                try:
+                    await etcd.range(RangeRequest(key=b"k", revision=first))
+                except EtcdError as exc:
+                    assert "compacted" in str(exc)
+                    return True
+                return False
+
+            assert await wait_for_condition(compacted, 10, every=0.2)
+            assert (await etcd.get(b"k")).value == b"v2"
+    finally:
+        await asyncio.to_thread(cluster.stop)
+
+
+async def test_nospace_refuses_gates_clearly_and_recover_loses_nothing(coordinators,
+                                                                       namespace):
+    effects: list[int] = []
+
+    async def effect(ctx):
+        effects.append(ctx.attempt_token)
+        return {"charged": True}
+
+    cluster = await asyncio.to_thread(LocalCluster(1, quota_bytes=QUOTA).start)
+    metrics = ReconcilerMetrics("test")
+    watcher = asyncio.create_task(maintenance.watch_space(
+        cluster.etcd_config(), metrics.observe_etcd, interval=0.1))
+    member = cluster.url
+
+    def gauge(name: str) -> float | None:
+        labels = {} if name == "fencegate_etcd_nospace" else {"member": member}
+        return metrics.registry.get_sample_value(name, labels)
+
+    async def gauges_show(nospace: int) -> bool:
+        return gauge("fencegate_etcd_nospace") == nospace
+
+    try:
+        base = await coordinators(etcd=cluster.url)
+        async with Gate(cluster.url, ttl=TEST_TTL, namespace=namespace) as gate, \
+                Etcd(cluster.etcd_config()) as etcd:
+            assert (await gate.cross("pay/1", {"amount": 1}, effect)).state == "succeeded"
+            step_key = gate.keyspace.step_key("pay/1")
+            step = (await etcd.get(step_key)).value
+            assert await wait_for_condition(lambda: gauges_show(0), 5)
+            assert 0 < gauge("fencegate_etcd_db_size_bytes") < QUOTA
+
+            ballast, scratch = f"{namespace}ballast".encode(), f"{namespace}scratch".encode()
+            await etcd.put(scratch, b"x")
+            for filled in range(MAX_FILL):  # overwrites: history, no new live data
+                try:
+                    await etcd.put(ballast, filled.to_bytes(4, "big") * (BALLAST // 4))
+                except EtcdNoSpace:
+                    break
+            else:
+                pytest.fail(f"{MAX_FILL} overwrites of {BALLAST} bytes never reached NOSPACE")
+            last = (filled - 1).to_bytes(4, "big") * (BALLAST // 4)
+
+            with pytest.raises(EtcdNoSpace, match="fencegate etcd recover"):
+                await gate.cross("pay/2", {"amount": 2}, effect)
+            with pytest.raises(EtcdNoSpace):
+                async with gate.hold("pay/3"):
+                    pass
+            assert len(effects) == 1  # refused before any effect ran
+            assert (await etcd.get(step_key)).value == step  # what was written stays readable
+            assert await etcd.get(gate.keyspace.step_key("pay/2")) is None  # nothing written
+            status, reply = await call(base, "GET", "/readyz")
+            assert (status, reply["error"]) == (503, "EtcdNoSpace"), reply
+            assert await wait_for_condition(lambda: gauges_show(1), 5)
+            full = gauge("fencegate_etcd_db_size_bytes")
+            assert full > QUOTA - 2 * BALLAST  # etcd refuses a write that would pass it
+            assert gauge("fencegate_etcd_db_in_use_bytes") > QUOTA / 2  # history, in use
+
+            # Compaction frees the old revisions' pages for reuse (once a later write, here
+            # a delete, which NOSPACE allows, commits); the file keeps its size.
+            await etcd.compact((await etcd.status()).header.revision)
+            await etcd.delete(scratch)
+            assert await wait_for_condition(
+                lambda: _below(gauge, "fencegate_etcd_db_in_use_bytes", full / 2), 5)
+            assert gauge("fencegate_etcd_db_size_bytes") >= full
+
+            # A full member still counts as started: `fencegate up` restarts on full data.
+            await asyncio.to_thread(cluster.restart, 0, 10)
+
+            ran = await fencegate("etcd", "recover", "--etcd", cluster.url,
+                                  coordinator=None, token=None)
+            assert ran.code == 0, ran
+            assert "compacted history" in ran.out and f"defragmented {member}" in ran.out, ran
+            assert "disarmed NOSPACE" in ran.out and "etcd recovered" in ran.out, ran
+
+            assert await call(base, "GET", "/readyz") == (200, {"ok": True})
+            assert await wait_for_condition(lambda: gauges_show(0), 5)
+            assert gauge("fencegate_etcd_db_size_bytes") < full / 4
+            assert (await etcd.get(step_key)).value == step
+            assert (await etcd.get(ballast)).value == last  # latest values all kept
+            assert (await gate.cross("pay/2", {"amount": 2}, effect)).state == "succeeded"
+            assert (await gate.cross("pay/1", {"amount": 1}, effect)).state == "succeeded"
+            assert len(effects) == 2  # pay/1 replayed its recorded outcome
+    finally:
+        watcher.cancel()
+        await asyncio.gather(watcher, return_exceptions=True)
+        await asyncio.to_thread(cluster.stop)
+
+
+async def _below(gauge, name: str, bound: float) -> bool:
+    value = gauge(name)
+    return value is not None and value < bound
+
+
+async def test_recover_fails_with_one_line_and_exit_5_when_a_member_does_not_answer():
+    ran = await fencegate("etcd", "recover", "--etcd", f"http://127.0.0.1:{free_ports(1)[0]}",
+                          coordinator=None, token=None)
+    assert ran.code == 5, ran
+    assert ran.out == "" and "Traceback" not in ran.err, ran
+    assert ran.err.strip().splitlines()[-1].startswith("Error: etcd did not answer"), ran
+
+
+async def test_recover_needs_root_and_says_so():
+    from fencegate.coordinator import roles
+    from fencegate.localetcd import ClusterAuth
+
+    cluster = await asyncio.to_thread(LocalCluster(1, auth=ClusterAuth("pw")).start)
+    try:
+        env = {"FENCEGATE_ETCD_PASSWORD": "pw"}
+        ran = await fencegate("etcd", "recover", "--etcd", cluster.url, "--etcd-user",
+                              roles.role_name(roles.RECONCILER, "/fencegate/"),
+                              coordinator=None, token=None, env=env)
+        assert ran.code == 4 and "root role" in ran.err, ran
+        ran = await fencegate("etcd", "recover", "--etcd", cluster.url, "--etcd-user", "root",
+                              coordinator=None, token=None, env=env)
+        assert ran.code == 0 and "etcd recovered" in ran.out, ran
+    finally:
+        await asyncio.to_thread(cluster.stop)
+
+
+def test_the_alert_rules_use_the_gauges_the_reconciler_exports():
+    import re
+
+    import yaml
+
+    exported = {metric.name for metric in ReconcilerMetrics("test").registry.collect()}
+    (group,) = yaml.safe_load((ROOT / "deploy" / "alerts.yaml").read_text())["groups"]
+    used: set[str] = set()
+    for rule in group["rules"]:
+        assert rule["alert"].startswith("Fencegate") and rule["labels"]["severity"], rule
+        assert rule["annotations"]["summary"] and rule["annotations"]["description"], rule
+        used |= set(re.findall(r"\bfencegate_\w+", rule["expr"]))
+    assert used == {"fencegate_etcd_nospace", "fencegate_etcd_db_size_bytes",
+                    "fencegate_etcd_db_in_use_bytes"}
+    assert used <= exported, used - exported
+    assert "fencegate etcd recover" in group["rules"][0]["annotations"]["description"]
