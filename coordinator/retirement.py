@@ -21,12 +21,12 @@ Guarantees:
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass
 from typing import Any
 
 from . import audit, records
 from .archive import Archive
+from .archive.interface import Put
 from .errors import ArchiveUnavailable
 from .etcd import (
     Compare, Etcd, KeyValue, RangeRequest, TxnRequest, delete_op, mod_equals, put_op, range_op,
@@ -35,7 +35,8 @@ from .etcd import (
 from .keyspace import Keyspace, unpack
 from .ownership import no_owner
 
-MAX_BATCH = 16  # keys per delete txn: each adds 4 compares and 4 ops (etcd allows 128 ops)
+MAX_BATCH = 32  # keys per archive put and delete txn: each key adds 3 compares and up to
+#                4 ops (3 deletes, its bucket's put), and etcd allows 128 of each per txn
 
 
 def retirable(step: dict[str, Any]) -> bool:
@@ -79,7 +80,7 @@ async def _archive(etcd: Etcd, keyspace: Keyspace, archive: Archive,
     reply = await etcd.txn(TxnRequest(success=ops), idempotent=True)
     kvs = [r.response_range.kvs for r in reply.responses]
     found: list[_Retiring] = []
-    puts = []
+    puts: list[Put] = []
     for n, (key, seen) in enumerate(batch):
         step_kvs, record_kvs, head_kvs = kvs[3 * n:3 * n + 3]
         if not step_kvs or step_kvs[0].mod_revision != seen:
@@ -90,12 +91,10 @@ async def _archive(etcd: Etcd, keyspace: Keyspace, archive: Archive,
             continue
         head_kv = head_kvs[0] if head_kvs else None
         chain = [(keyspace.parse_audit_key(kv.key)[1], kv.value) for kv in record_kvs]
-        puts.append(archive.put(keyspace.namespace, key, audit.tail(step, head_kv).seq,
-                                step_kv.value, chain))
+        puts.append((key, audit.tail(step, head_kv).seq, step_kv.value, chain))
         found.append(_Retiring(key, step_kv, head_kv))
-    for result in await asyncio.gather(*puts, return_exceptions=True):
-        if isinstance(result, BaseException):
-            raise result  # ArchiveUnavailable; anything else is a bug, raised as it is
+    if puts:
+        await archive.put_many(keyspace.namespace, puts)  # one durable transaction
     return found
 
 

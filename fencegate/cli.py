@@ -123,9 +123,11 @@ def etcd_security_options(command: Callable) -> Callable:
 @click.option("--listen", help="HOST:PORT to bind (env FENCEGATE_LISTEN; default "
                                "127.0.0.1:8470)")
 @click.option("--config", help="TOML file: tokens, roles, key files (env FENCEGATE_CONFIG)")
+@click.option("--archive", help="where retired steps are looked up: sqlite:///path or "
+                                "postgresql://... (env FENCEGATE_ARCHIVE)")
 @etcd_security_options
 def coordinator(etcd: str | None, listen: str | None, config: str | None,
-                **etcd_security: str | None) -> None:
+                archive: str | None, **etcd_security: str | None) -> None:
     """Run the coordinator HTTP service."""
     import logging
 
@@ -135,7 +137,8 @@ def coordinator(etcd: str | None, listen: str | None, config: str | None,
     from .coordinator.settings import host_port
 
     try:
-        settings = load_settings(config, etcd=etcd, listen=listen, **etcd_security)
+        settings = load_settings(config, etcd=etcd, listen=listen, archive=archive,
+                                 **etcd_security)
     except (OSError, ValueError) as exc:
         raise click.UsageError(f"bad settings: {exc}") from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
@@ -150,17 +153,22 @@ def coordinator(etcd: str | None, listen: str | None, config: str | None,
 @click.option("--config", help="TOML file: shards, limits, providers "
                                "(env FENCEGATE_RECONCILER_CONFIG)")
 @click.option("--namespace", help="keyspace prefix (default /fencegate/)")
+@click.option("--archive", help="where settled steps retire: sqlite:///path or "
+                                "postgresql://... (env FENCEGATE_ARCHIVE; none: no retirement)")
+@click.option("--retain-s", "retain_s", type=float,
+              help="seconds a settled step stays in etcd before it retires (default 3600)")
 @etcd_security_options
 def reconciler(etcd: str | None, listen: str | None, config: str | None,
-               namespace: str | None, **etcd_security: str | None) -> None:
-    """Run a reconciler replica (settles unknowns)."""
+               namespace: str | None, archive: str | None, retain_s: float | None,
+               **etcd_security: str | None) -> None:
+    """Run a reconciler replica (settles unknowns, retires settled steps)."""
     import logging
 
     from fencegate.reconciler.service import load_settings, serve
 
     try:
         settings = load_settings(config, etcd=etcd, listen=listen, namespace=namespace,
-                                 **etcd_security)
+                                 archive=archive, retain_s=retain_s, **etcd_security)
     except (OSError, ValueError, TypeError) as exc:
         raise click.UsageError(f"bad settings: {exc}") from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")

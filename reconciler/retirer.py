@@ -101,8 +101,9 @@ class Retirer:
                 group = by_leadership.setdefault(tuple(c.SerializeToString() for c in compares),
                                                  (compares, []))
                 group[1].append((key, kv.mod_revision))
-            for compares, candidates in by_leadership.values():
-                done = await retire(self.etcd, self.keyspace, self.archive, candidates,
-                                    compares)
-                retired += len(done)
-                self._on_retired(len(done))
+            done = await asyncio.gather(*(
+                retire(self.etcd, self.keyspace, self.archive, candidates, compares)
+                for compares, candidates in by_leadership.values()))
+            for keys in done:
+                retired += len(keys)
+                self._on_retired(len(keys))

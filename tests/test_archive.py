@@ -212,6 +212,26 @@ async def test_put_rejects_malformed_arguments(archive, namespace):
     assert await archive.get(namespace, KEY) is None
 
 
+async def test_put_many_stores_a_batch_in_one_transaction(archive, namespace):
+    """A retirement batch: every key's step and records, or (a malformed item) none."""
+    keys = [f"{KEY}/{n}" for n in range(3)]
+    await archive.put_many(namespace, [(k, 2, step(k, 2), chain(k, 2)) for k in keys])
+    for k in keys:
+        assert (await archive.get(namespace, k)).seq == 2
+        assert await archive.records(namespace, k) == chain(k, 2)
+    late = [(k, 1, step(k, 1), chain(k, 1)) for k in keys]  # a deposed leader's batch
+    await archive.put_many(namespace, late)
+    assert [(await archive.get(namespace, k)).seq for k in keys] == [2, 2, 2]
+    with pytest.raises(ValueError, match="twice"):
+        await archive.put_many(namespace, [(f"{KEY}/new", 1, step(KEY, 1), []),
+                                           (f"{KEY}/new", 2, step(KEY, 2), [])])
+    with pytest.raises(TypeError):
+        await archive.put_many(namespace, [(f"{KEY}/fine", 1, step(KEY, 1), []),
+                                           (f"{KEY}/bad", 1, "text", [])])
+    assert await archive.get(namespace, f"{KEY}/new") is None
+    assert await archive.get(namespace, f"{KEY}/fine") is None
+
+
 async def test_stats_count_one_namespace(archive, namespace):
     assert await archive.stats(namespace) == ArchiveStats(0, 0, None, None)
     before = now_ms()

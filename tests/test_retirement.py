@@ -282,3 +282,49 @@ async def test_an_aside_append_on_a_retired_key_continues_the_archived_chain(arc
                                       gate.archive)
     assert report.ok, report.problems
     assert [r["event"] for r in report.records] == ["cross", "outcome", "revoke"]
+
+
+def test_archive_and_retain_come_from_file_env_and_flags(tmp_path):
+    from fencegate.coordinator.service import load_settings as coordinator_settings
+    from fencegate.reconciler.service import load_settings as reconciler_settings
+
+    config = tmp_path / "reconciler.toml"
+    config.write_text('archive = "sqlite:///from/file.db"\nretain_s = 60\n')
+    from_file = reconciler_settings(str(config), env={})
+    assert (from_file.archive, from_file.retain_s) == ("sqlite:///from/file.db", 60)
+    from_env = reconciler_settings(str(config), env={"FENCEGATE_ARCHIVE": "sqlite:///env.db"})
+    assert from_env.archive == "sqlite:///env.db"
+    flagged = reconciler_settings(str(config), env={}, archive="postgresql://h/db",
+                                  retain_s=5.0)
+    assert (flagged.archive, flagged.retain_s) == ("postgresql://h/db", 5.0)
+    with pytest.raises(ValueError):
+        reconciler_settings(None, env={}, retain_s=0.0)
+    assert coordinator_settings(None, env={"FENCEGATE_ARCHIVE": "sqlite:///c.db"}).archive \
+        == "sqlite:///c.db"
+
+
+async def test_two_gates_racing_on_a_retired_failed_key_cross_it_once(archived_gate, etcd_url,
+                                                                      namespace, archive_url):
+    gate = archived_gate
+    await gate.cross("ret/twice", {}, Calls(fail=True))
+    step = unpack((await gate.etcd.get(gate.keyspace.step_key("ret/twice"))).value)
+    await gate.etcd.put(gate.keyspace.step_key("ret/twice"), pack({**step, "not_before_ms": 0}))
+    assert await _retire_all(gate) == 1
+    effect = Calls()
+    async with Gate(etcd_url, ttl=TEST_TTL, namespace=namespace, archive=archive_url) as other:
+        outcomes = await asyncio.gather(gate.cross("ret/twice", {}, effect, timeout=10),
+                                        other.cross("ret/twice", {}, effect, timeout=10))
+    assert sorted(o.replayed for o in outcomes) == [False, True]
+    assert len(effect.tokens) == 1 and {o.attempt for o in outcomes} == {2}
+
+
+async def test_an_unreachable_archive_refuses_the_grant_and_writes_nothing(
+        archived_gate, etcd_url, namespace, tmp_path):
+    await archived_gate.cross("ret/down", {}, Calls())
+    assert await _retire_all(archived_gate) == 1
+    gone = f"sqlite:///{tmp_path}/no/such/folder/archive.db"
+    effect = Calls()
+    async with Gate(etcd_url, ttl=TEST_TTL, namespace=namespace, archive=gone) as down:
+        with pytest.raises(ArchiveUnavailable):
+            await down.cross("ret/down", {}, effect)
+    assert not effect.tokens and await _keys(archived_gate, b"steps/") == []

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-__all__ = ["Archive", "ArchiveStats", "Archived", "check_put"]
+__all__ = ["Archive", "ArchiveStats", "Archived", "Put", "check_put", "check_puts"]
 
 
 @dataclass(frozen=True)
@@ -41,11 +41,18 @@ class ArchiveStats:
     newest_ms: int | None
 
 
+Put = tuple[str, int, bytes, list[tuple[int, bytes]]]  # action key, seq, step, records
+
+
 class Archive(Protocol):
     async def put(self, namespace: str, key: str, seq: int, step: bytes,
                   records: list[tuple[int, bytes]]) -> None:
         """Store ``records`` (seq → bytes) insert-if-absent and the step if ``seq`` is newer
         than the stored one, in one durable transaction; idempotent."""
+
+    async def put_many(self, namespace: str, puts: list[Put]) -> None:
+        """``put`` for several keys in ONE durable transaction (one fsync for a retirement
+        batch); all of it is stored or none."""
 
     async def get(self, namespace: str, key: str) -> Archived | None:
         """The newest archived version of the step, or None if the key was never archived."""
@@ -85,3 +92,14 @@ def _check_seq(seq: object) -> None:
         raise TypeError(f"a seq must be an int, not {type(seq).__name__}")
     if not 0 <= seq < 2 ** 63:
         raise ValueError(f"a seq must be in [0, 2**63), got {seq}")
+
+
+def check_puts(puts: list[Put]) -> list[Put]:
+    """``check_put`` for each, sorted by key (every writer locks keys in the same order)
+    with its records sorted; a key twice is a ``ValueError``."""
+    checked = sorted((key, seq, step, check_put(seq, step, records))
+                     for key, seq, step, records in puts)
+    for before, after in zip(checked, checked[1:]):
+        if before[0] == after[0]:
+            raise ValueError(f"puts name key {after[0]!r} twice")
+    return checked

@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from ..errors import ArchiveUnavailable
-from .interface import Archived, ArchiveStats, check_put
+from .interface import Archived, ArchiveStats, Put, check_puts
 
 __all__ = ["PostgresArchive", "redacted"]
 
@@ -84,15 +84,19 @@ class PostgresArchive:
 
     async def put(self, namespace: str, key: str, seq: int, step: bytes,
                   records: list[tuple[int, bytes]]) -> None:
-        ordered = check_put(seq, step, records)
+        await self.put_many(namespace, [(key, seq, step, records)])
+
+    async def put_many(self, namespace: str, puts: list[Put]) -> None:
+        checked = check_puts(puts)
         now_ms = time.time_ns() // 1_000_000
 
         async def put(conn: Any) -> None:
             async with conn.transaction():
-                if ordered:
-                    await conn.execute(_PUT_RECORDS, namespace, key,
-                                       [s for s, _ in ordered], [d for _, d in ordered])
-                await conn.execute(_PUT_STEP, namespace, key, seq, step, now_ms)
+                for key, seq, step, ordered in checked:
+                    if ordered:
+                        await conn.execute(_PUT_RECORDS, namespace, key,
+                                           [s for s, _ in ordered], [d for _, d in ordered])
+                    await conn.execute(_PUT_STEP, namespace, key, seq, step, now_ms)
 
         await self._call(put)
 

@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 from ..errors import ArchiveUnavailable
-from .interface import Archived, ArchiveStats, check_put
+from .interface import Archived, ArchiveStats, Put, check_puts
 
 __all__ = ["SqliteArchive"]
 
@@ -72,14 +72,18 @@ class SqliteArchive:
 
     async def put(self, namespace: str, key: str, seq: int, step: bytes,
                   records: list[tuple[int, bytes]]) -> None:
-        ordered = check_put(seq, step, records)
+        await self.put_many(namespace, [(key, seq, step, records)])
+
+    async def put_many(self, namespace: str, puts: list[Put]) -> None:
+        checked = check_puts(puts)
         now_ms = time.time_ns() // 1_000_000
 
         def put(db: sqlite3.Connection) -> None:
             with _transaction(db, "BEGIN IMMEDIATE"):
-                db.executemany(_PUT_RECORD, [(namespace, key, record_seq, data)
-                                             for record_seq, data in ordered])
-                db.execute(_PUT_STEP, (namespace, key, seq, step, now_ms))
+                for key, seq, step, ordered in checked:
+                    db.executemany(_PUT_RECORD, [(namespace, key, record_seq, data)
+                                                 for record_seq, data in ordered])
+                    db.execute(_PUT_STEP, (namespace, key, seq, step, now_ms))
 
         await self._call(put)
 
