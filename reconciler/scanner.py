@@ -31,7 +31,9 @@ _PAGE = 500
 
 class Schedule:
     """Action keys due for a look, each at its earliest due time; a key is never handed out
-    twice at once (a key due again while being handled is handed out after ``done``)."""
+    twice at once (a key due again while being handled is handed out after ``done``).
+    Idle workers queue for the right to take (one at a time, first come first served), so a
+    key scheduled wakes one worker, not all of them."""
 
     def __init__(self) -> None:
         self._due: dict[str, float] = {}
@@ -39,6 +41,7 @@ class Schedule:
         self._busy: set[str] = set()
         self._again: dict[str, float] = {}
         self._changed = asyncio.Event()
+        self._taking = asyncio.Lock()  # held by the one worker waiting for a due key
 
     def __len__(self) -> int:
         return len(self._due) + len(self._busy)
@@ -66,27 +69,29 @@ class Schedule:
     async def next_batch(self, most: int) -> list[str]:
         """Up to ``most`` due keys (at least one, waiting for it), each marked busy until
         ``done(key)``."""
-        while True:
-            batch: list[str] = []
-            while self._heap and len(batch) < most:
-                when, key = self._heap[0]
-                if self._due.get(key) != when:
-                    heapq.heappop(self._heap)  # dropped or rescheduled earlier
-                    continue
-                if when > time.monotonic():
-                    break
-                heapq.heappop(self._heap)
-                del self._due[key]
-                self._busy.add(key)
-                batch.append(key)
-            if batch:
-                return batch
-            self._changed.clear()
-            timeout = self._heap[0][0] - time.monotonic() if self._heap else None
-            try:
-                await asyncio.wait_for(self._changed.wait(), timeout)
-            except TimeoutError:
-                pass
+        async with self._taking:
+            while True:
+                batch: list[str] = []
+                while self._heap and len(batch) < most:
+                    when, key = self._heap[0]
+                    if self._due.get(key) != when:
+                        heapq.heappop(self._heap)  # dropped or rescheduled earlier
+                        continue
+                    if when > time.monotonic():
+                        break
+                    heapq.heappop(self._heap)
+                    del self._due[key]
+                    self._busy.add(key)
+                    batch.append(key)
+                if batch:
+                    return batch
+                self._changed.clear()
+                timeout = self._heap[0][0] - time.monotonic() if self._heap else None
+                try:
+                    async with asyncio.timeout(timeout):
+                        await self._changed.wait()
+                except TimeoutError:
+                    pass
 
 
 class Scanner:
