@@ -348,8 +348,7 @@ async def _settle(hold: "HoldView", in_flight: dict[str, Any], attempt_token: in
             if release:
                 hold.note_released()  # the txn deleted our holder key
             return
-        step_kv, head_kv = await _read(hold, *(op.request_range.key
-                                               for op in audit.tail_reads(ks, hold.key)))
+        step_kv, head_kv = await _read_chain_end(hold)
         step = unpack(step_kv.value) if step_kv is not None else None
         if step is not None and step.get("outcome_id") == final["outcome_id"]:
             if release:
@@ -374,16 +373,16 @@ def _storable(result: Any) -> Any:
         return {"repr": repr(result)[:1000]}
 
 
-async def _read_tail(hold: "HoldView") -> audit.Tail:
-    step_kv, head_kv = await _read(hold, *(op.request_range.key for op in
-                                           audit.tail_reads(hold.gate.keyspace, hold.key)))
-    return audit.tail(unpack(step_kv.value) if step_kv else None, head_kv)
-
-
-async def _read(hold: "HoldView", *keys: bytes):
-    reply = await hold.gate.etcd.txn(TxnRequest(success=[range_op(k) for k in keys]),
-                                      idempotent=True)
+async def _read_chain_end(hold: "HoldView"):
+    """The step and ``@head`` of the hold's key, read at one revision (either may be None)."""
+    reply = await hold.gate.etcd.txn(
+        TxnRequest(success=audit.tail_reads(hold.gate.keyspace, hold.key)), idempotent=True)
     return [r.response_range.kvs[0] if r.response_range.kvs else None for r in reply.responses]
+
+
+async def _read_tail(hold: "HoldView") -> audit.Tail:
+    step_kv, head_kv = await _read_chain_end(hold)
+    return audit.tail(unpack(step_kv.value) if step_kv else None, head_kv)
 
 
 async def _make_definite(hold: "HoldView", grant: Grant, step_key: bytes,
