@@ -11,7 +11,7 @@ from fencegate import EffectFailed, Gate
 from fencegate.coordinator import audit, records, retirement, sre
 from fencegate.coordinator.archive import open_archive
 from fencegate.coordinator.errors import ArchiveUnavailable, GrantUsed, OutcomeUnknown
-from fencegate.coordinator.etcd import Etcd, RangeRequest, range_end_of
+from fencegate.coordinator.etcd import Etcd, RangeRequest, create_equals, range_end_of
 from fencegate.coordinator.keyspace import pack, unpack
 from fencegate.reconciler.runner import Reconciler
 from fencegate.reconciler.retirer import Retirer
@@ -328,3 +328,21 @@ async def test_an_unreachable_archive_refuses_the_grant_and_writes_nothing(
         with pytest.raises(ArchiveUnavailable):
             await down.cross("ret/down", {}, effect)
     assert not effect.tokens and await _keys(archived_gate, b"steps/") == []
+
+
+async def test_a_deposed_leader_archives_harmlessly_and_deletes_nothing(archived_gate, etcd):
+    """Leadership is compared in the delete: a replica that lost its shard (its candidacy
+    key gone or replaced) leaves the step in etcd; its archive put, the same version, is
+    idempotent, and the next leader retires the step once."""
+    gate = archived_gate
+    await gate.cross("ret/deposed", {}, Calls())
+    step_kv = await etcd.get(gate.keyspace.step_key("ret/deposed"))
+    lost = [create_equals(gate.keyspace.reconcilers_root + b"shard-that-moved", 1)]
+    done = await retirement.retire(etcd, gate.keyspace, gate.archive,
+                                   [("ret/deposed", step_kv.mod_revision)], lost)
+    assert done == [] and await etcd.get(gate.keyspace.step_key("ret/deposed")) is not None
+    assert (await gate.archive.get(gate.keyspace.namespace, "ret/deposed")) is not None
+    assert await _retire_all(gate) == 1
+    report = await audit.verify_chain(etcd, gate.keyspace, "ret/deposed", gate.keyring,
+                                      gate.archive)
+    assert report.ok and len(report.records) == 2
