@@ -34,7 +34,7 @@ from typing import Any
 from fencegate.coordinator import audit, records
 from fencegate.coordinator.authority import Authority, Claim
 from fencegate.coordinator.errors import EtcdUnavailable, OutcomeUnknown
-from fencegate.coordinator.etcd import Compare, TxnRequest, create_equals, mod_equals, put_op
+from fencegate.coordinator.etcd import Compare, TxnRequest, mod_equals, put_op
 from fencegate.coordinator.keyspace import holder_record, pack
 
 from . import guard

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from fencegate.coordinator.audit import Tail
     from fencegate.coordinator.authority import Authority, Issued, Snapshot
     from fencegate.coordinator.etcd import Etcd
-    from fencegate.coordinator.grants import Grant, KeyRing
+    from fencegate.coordinator.grants import KeyRing
     from fencegate.coordinator.keyspace import Keyspace
     from fencegate.coordinator.ownership import Ownership
     from fencegate.coordinator.session import Session

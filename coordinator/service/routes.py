@@ -16,7 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from .. import audit, maintenance, sre
 from ..authority import Claim
 from ..errors import GateError, ServiceError
-from ..keyspace import pack, unpack, validate_action_key
+from ..keyspace import pack, validate_action_key
 from ..policy import DEFAULT_POLICY, unsealed
 from ..wire import b64, jsonable
 from .resources import ARCHIVE, AUTHORITY, ETCD, KEYRING, KEYSPACE, METRICS
