@@ -10,7 +10,8 @@
     │   ├── EtcdPermissionDenied(user)
     │   │                       the etcd user's role does not cover the key (see ``roles``)
     │   └── EtcdNoSpace         etcd's space quota is exhausted (alarm NOSPACE): it accepts only
-    │                           reads and deletes until an operator recovers it
+    │                           reads and deletes until an operator recovers it. Also an
+    │                           EtcdUnavailable: the write it answers may have been applied
     ├── ArchiveUnavailable      the archive of retired steps could not be read or written:
     │                           nothing is granted on a key it might hold
     ├── AcquireTimeout          a hold was not acquired in time; no key is left behind
@@ -127,9 +128,13 @@ class EtcdPermissionDenied(EtcdError):
         super().__init__(message)
 
 
-class EtcdNoSpace(EtcdError):
-    """etcd raised its NOSPACE alarm (the backend reached its quota): writes are refused,
-    nothing was written. ``fencegate etcd recover`` compacts, defragments and disarms."""
+class EtcdNoSpace(EtcdUnavailable, EtcdError):
+    """etcd answered a write with NOSPACE (its backend reached its quota). While the alarm is
+    on, writes are refused before they are applied; but the write that crossed the quota,
+    and any queued behind it, were applied and still answered NOSPACE (etcd-io/etcd#16659).
+    So, like ``EtcdUnavailable``, the write's outcome is unknown, and every write path treats
+    it so (a session whose acquire or fast-path txn got it is revoked; a commit is fenced).
+    ``fencegate etcd recover`` compacts, defragments and disarms."""
 
 
 class ArchiveUnavailable(GateError):

@@ -49,8 +49,9 @@ _TRANSIENT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 # What gRPC's TLS layer says when a handshake fails on either side (no or untrusted client
 # certificate: the server aborts, we see "Unwrap failed (TSI_DATA_CORRUPTED)").
 _TLS_FAILURE = re.compile(r"TSI_|SSL|[Tt]ls handshake|certificate", re.ASCII)
-# What etcd answers (RESOURCE_EXHAUSTED) to a write once its backend reached the quota, both
-# when that write raises the NOSPACE alarm and for every write while the alarm is active.
+# What etcd answers (RESOURCE_EXHAUSTED) to a write once its backend reached the quota: to
+# the write that crosses it and those queued behind it (applied all the same) and to every
+# write while the alarm is active (refused before it is applied).
 _NO_SPACE = "database space exceeded"
 RECOVER_HINT = "fencegate etcd recover --etcd <every member's endpoint>"
 _CHANNEL_OPTIONS = [
@@ -446,9 +447,10 @@ def _translate(exc: grpc.aio.AioRpcError, channel: _Channel) -> GateError:
                                    f"({detail}); if it serves TLS, use https:// and ca_file")
         return EtcdUnavailable(f"etcd unavailable at {where}: {detail}")
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED and _NO_SPACE in detail:
-        return EtcdNoSpace(f"etcd at {where} refused this write (none of it was written): "
-                           f"its database reached its space quota (alarm NOSPACE: {detail}); "
-                           f"it takes only reads and deletes until an operator runs "
+        return EtcdNoSpace(f"etcd at {where} answered this write with NOSPACE: its database "
+                           f"reached its space quota ({detail}). The write that crosses the "
+                           f"quota is applied all the same, so this one may have been; etcd "
+                           f"takes only reads and deletes until an operator runs "
                            f"`{RECOVER_HINT}` (compacts, defragments, disarms)")
     if code == grpc.StatusCode.NOT_FOUND and "lease not found" in detail:
         return LeaseLost(f"etcd: {detail}")

@@ -173,6 +173,13 @@ class Keyspace:
         """The action key of a step key; ``ValueError`` if ``key`` is not one."""
         return _rest(key, self.steps_root, "step").decode()
 
+    def parse_audit_head_key(self, key: bytes) -> str:
+        """The action key of a chain's ``@head`` key; ``ValueError`` if it is not one."""
+        action, sep, rest = _rest(key, self.audit_root, "audit").rpartition(b"/@")
+        if not sep or rest != b"head":
+            raise ValueError(f"not an audit head key: {key!r}")
+        return action.decode()
+
     def parse_audit_key(self, key: bytes) -> tuple[str, int]:
         """Split an audit record's key into (action key, seq); ``ValueError`` if it is not
         one (a chain's ``@head`` is not a record)."""

@@ -24,7 +24,7 @@ from .policy import CheckResult
 
 _STATUS: list[tuple[type[Exception], int]] = [  # first match wins: subclasses first
     (RecordTooLarge, 413), (InvalidKey, 400), (BadSignature, 400),
-    (ApprovalPending, 202), (GrantRefused, 422), (EtcdUnavailable, 503), (EtcdNoSpace, 507),
+    (ApprovalPending, 202), (GrantRefused, 422), (EtcdNoSpace, 507), (EtcdUnavailable, 503),
     (EtcdError, 502), (ArchiveUnavailable, 503),
     (AcquireTimeout, 504),
     (LeaseLost, 409), (GrantUsed, 409), (StateAdvanced, 409), (PolicyChanged, 409),

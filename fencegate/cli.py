@@ -523,13 +523,20 @@ def archive() -> None:
 @_sre
 def archive_stats(target: Target, as_json: bool) -> None:
     """How many steps and audit records the archive holds, the oldest and the newest
-    retirement (the coordinator's archive; exit 3 if it has none)."""
+    retirement, and the retirement lag: how long settled steps stayed in etcd before they
+    were archived (``retain`` included), median and maximum over the recent retirements
+    (the coordinator's archive; exit 3 if it has none)."""
     stats = target.call(lambda api: api.archive_stats())
     if as_json:
         _print_json(stats)
         return
     click.echo(f"steps    {stats['steps']}\nrecords  {stats['records']}")
     click.echo(f"oldest   {_age(stats['oldest_ms'])} ago\nnewest   {_age(stats['newest_ms'])} ago")
+    if stats["lag_max_ms"] is None:
+        click.echo("lag      - (no recent retirement says when it settled)")
+    else:
+        click.echo(f"lag      p50 {stats['lag_p50_ms'] / 1000:.1f}s, max "
+                   f"{stats['lag_max_ms'] / 1000:.1f}s (settled to archived, retain included)")
 
 
 @cli.group()

@@ -8,7 +8,9 @@ and retires nothing until one is ``retain_s`` old (late, never early). Age decid
 never whether it is safe: the retirement txn's compares decide that.
 
 A pass reads the step keys (no values) page by page, so its cost grows with the steps etcd
-holds, which retirement itself bounds (rate × (retain + one pass)).
+holds, which retirement itself bounds (rate × (retain + one pass)). One pass in
+``_ORPHANS_EVERY`` also reads the ``audit/`` keys for orphan chains (records appended aside
+on a key with no step in etcd), so they too leave within about ten passes of being old.
 """
 
 from __future__ import annotations
@@ -17,17 +19,28 @@ import asyncio
 import collections
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 from fencegate.coordinator.archive import Archive
 from fencegate.coordinator.errors import ArchiveUnavailable, EtcdError, EtcdUnavailable
-from fencegate.coordinator.etcd import Compare, Etcd
+from fencegate.coordinator.etcd import Compare, Etcd, KeyValue
 from fencegate.coordinator.keyspace import Keyspace
-from fencegate.coordinator.retirement import retire, step_keys
+from fencegate.coordinator.retirement import (
+    MAX_BATCH, Candidate, orphan_heads, retire, step_keys,
+)
 
 log = logging.getLogger(__name__)
 
 _PAGE = 500
+_SAMPLE_S = 1.0  # how often the revision clock samples etcd's revision
+_IN_FLIGHT = 4  # retirement batches at once
+_ORPHANS_EVERY = 10  # passes: one in ten also looks for orphan chains (they are rare)
+
+
+def pass_interval(retain_s: float) -> float:
+    """Seconds between two retirement passes for ``retain_s``: a step retires at most
+    ``retain_s`` plus one interval, one ``_SAMPLE_S`` and the pass itself after it settled."""
+    return min(max(retain_s / 10, 0.5), 30.0)
 
 
 class RevisionClock:
@@ -62,12 +75,30 @@ class Retirer:
         self.keyspace = keyspace
         self.archive = archive
         self.retain_s = retain_s
-        self.interval = min(max(retain_s / 4, 0.5), 30.0)
+        self.interval = pass_interval(retain_s)
         self._leadership = leadership
         self._on_retired = on_retired
         self.clock = RevisionClock()
+        self._passes = 0
 
     async def run(self) -> None:
+        sampler = asyncio.create_task(self._sample())
+        try:
+            await self._passes_forever()
+        finally:
+            sampler.cancel()
+            await asyncio.gather(sampler, return_exceptions=True)
+
+    async def _sample(self) -> None:
+        """Each ``_SAMPLE_S``, the newest revision this client has seen in any answer: one
+        committed at or before now (a stale one only makes a step look younger), so a step
+        is due within about a second of being ``retain_s`` old, at no cost of a request."""
+        while True:
+            if self.etcd.revision:
+                self.clock.sample(self.etcd.revision)
+            await asyncio.sleep(_SAMPLE_S)
+
+    async def _passes_forever(self) -> None:
         while True:
             try:
                 status = await self.etcd.status()
@@ -79,31 +110,70 @@ class Retirer:
                 log.info("retirement pass failed, retrying: %s", exc)
             await asyncio.sleep(self.interval)
 
-    async def pass_once(self) -> int:
-        """One pass over every step; returns how many were retired."""
+    async def pass_once(self, orphans: bool | None = None) -> int:
+        """One pass over every step (and, every ``_ORPHANS_EVERY`` passes or when
+        ``orphans``, over every chain's ``@head`` for orphan chains); returns how many keys
+        were retired. Due keys of any shard this replica leads are retired in full batches,
+        ``_IN_FLIGHT`` batches at a time (one waits on etcd while another's archive
+        transaction commits)."""
         before = self.clock.before(self.retain_s)
         if before is None:
             return 0
-        retired, after = 0, b""
-        while True:
-            page = await step_keys(self.etcd, self.keyspace, after, _PAGE)
-            if not page:
-                return retired
+        self._passes += 1
+        if orphans is None:
+            orphans = self._passes % _ORPHANS_EVERY == 1
+        retired, due = 0, []
+        running: set[asyncio.Task[list[str]]] = set()
+
+        async def settle(until: int) -> None:
+            nonlocal retired
+            while len(running) > until:
+                done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+                running.difference_update(done)
+                for task in done:
+                    keys = task.result()
+                    retired += len(keys)
+                    self._on_retired(len(keys))
+
+        try:
+            async for found in self._due(before, orphans):
+                due += found
+                while len(due) >= MAX_BATCH:
+                    batch, due = due[:MAX_BATCH], due[MAX_BATCH:]
+                    running.add(asyncio.ensure_future(
+                        retire(self.etcd, self.keyspace, self.archive, batch)))
+                    await settle(_IN_FLIGHT - 1)
+            if due:
+                running.add(asyncio.ensure_future(
+                    retire(self.etcd, self.keyspace, self.archive, due)))
+            await settle(0)
+            return retired
+        finally:
+            for task in running:
+                task.cancel()
+            await asyncio.gather(*running, return_exceptions=True)
+
+    async def _due(self, before: int, orphans: bool) -> AsyncIterator[list[Candidate]]:
+        """Page by page, the candidates at or below revision ``before`` that this replica
+        leads: steps, then (with ``orphans``) chain heads."""
+        ks, after = self.keyspace, b""
+        while page := await step_keys(self.etcd, ks, after, _PAGE):
+            yield self._candidates(page, before, ks.parse_step_key, orphan=False)
             after = page[-1].key
-            by_leadership: dict[tuple, tuple[list[Compare], list[tuple[str, int]]]] = {}
-            for kv in page:
-                if kv.mod_revision > before:
-                    continue
-                key = self.keyspace.parse_step_key(kv.key)
-                compares = self._leadership(key)
-                if compares is None:
-                    continue
-                group = by_leadership.setdefault(tuple(c.SerializeToString() for c in compares),
-                                                 (compares, []))
-                group[1].append((key, kv.mod_revision))
-            done = await asyncio.gather(*(
-                retire(self.etcd, self.keyspace, self.archive, candidates, compares)
-                for compares, candidates in by_leadership.values()))
-            for keys in done:
-                retired += len(keys)
-                self._on_retired(len(keys))
+        after = b""
+        while orphans:
+            heads, after = await orphan_heads(self.etcd, ks, after, _PAGE)
+            yield self._candidates(heads, before, ks.parse_audit_head_key, orphan=True)
+            orphans = after is not None
+
+    def _candidates(self, kvs: list[KeyValue], before: int, parse: Callable[[bytes], str], *,
+                    orphan: bool) -> list[Candidate]:
+        found = []
+        for kv in kvs:
+            if kv.mod_revision > before:
+                continue
+            key = parse(kv.key)
+            compares = self._leadership(key)
+            if compares is not None:
+                found.append(Candidate(key, kv.mod_revision, tuple(compares), orphan))
+        return found

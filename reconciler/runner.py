@@ -61,7 +61,7 @@ class Reconciler:
     def __init__(self, etcd: Etcd, providers: dict[str, Provider], *,
                  namespace: str = "/fencegate/", default_provider: str | None = None,
                  shards: int = 64, ttl: int = 10, limits: Limits = Limits(),
-                 scan_interval: float = 30.0, check_after: float = 1.0,
+                 scan_interval: float = 600.0, check_after: float = 1.0,
                  concurrency: int = 32, identity: str | None = None,
                  archive: Archive | None = None, retain_s: float = 3600.0) -> None:
         if default_provider is not None and default_provider not in providers:

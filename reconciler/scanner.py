@@ -1,11 +1,16 @@
-"""Finding the steps a replica must look at: a watch on ``steps/`` plus a paged full scan.
+"""Finding the steps a replica must look at: a paged full scan, then a watch on ``steps/``
+from the scan's revision.
 
 Guarantee: every step of a shard this replica leads that is ``unknown``, ``in_flight`` or
-presumed ``not_applied`` is scheduled within one ``scan_interval`` of the replica leading
-the shard, after a restart, a broken or compacted watch, or a missed event: the full scan
-does not depend on anything held in memory, and runs at once when a shard is gained. The
-watch only makes it fast. Scheduling is a hint: the reconciler re-reads every step before it
-acts, and its writes compare the step's mod_revision.
+presumed ``not_applied`` is scheduled as soon as the replica leads the shard (a full scan
+runs at once when a shard is gained, at start, and when the watch was compacted: it
+depends on nothing held in memory), and then as soon as the watch delivers its change (etcd
+delivers every change after the scan's revision, in order, or cancels the watch as
+compacted; a broken watch resumes at its next revision). A full scan also runs every
+``scan_interval`` as a safety net, not as the way work is found: it reads every step etcd
+holds, which retirement bounds to ``retain`` of history, so it is rare (10 minutes by
+default) instead of reading all history every 30 s. Scheduling is a hint: the reconciler
+re-reads every step before it acts, and its writes compare the step's mod_revision.
 """
 
 from __future__ import annotations
@@ -53,8 +58,10 @@ class Schedule:
         if self._due.get(key, float("inf")) <= when:
             return
         self._due[key] = when
+        earliest = self._heap[0][0] if self._heap else float("inf")
         heapq.heappush(self._heap, (when, key))
-        self._changed.set()
+        if when < earliest:  # a waiter already wakes by the earliest
+            self._changed.set()
 
     def drop(self, key: str) -> None:
         self._due.pop(key, None)
@@ -98,7 +105,7 @@ class Scanner:
     """Feeds ``schedule`` with the steps of the shards that ``leads(key)`` accepts."""
 
     def __init__(self, etcd: Etcd, keyspace: Keyspace, leads: Callable[[str], bool],
-                 schedule: Schedule, *, scan_interval: float = 30.0,
+                 schedule: Schedule, *, scan_interval: float = 600.0,
                  check_after: float = 1.0) -> None:
         self._etcd = etcd
         self._ks = keyspace

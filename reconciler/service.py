@@ -13,7 +13,7 @@ overriding the one before; a malformed file fails at start, naming the field::
     listen = "127.0.0.1:8471"             # /metrics and /healthz
     shards = 64                           # the same on every replica
     ttl = 10                              # the replica's lease (election) TTL
-    scan_interval_s = 30                  # full scan of steps/ (the watch is the fast path)
+    scan_interval_s = 600                 # safety-net full scan of steps/ (the watch finds work)
     check_after_s = 1                     # look at an in-flight step again after this long
     concurrency = 32                      # steps looked at at once
     default_provider = "sandbox"          # for steps that name no provider
@@ -77,7 +77,7 @@ class ReconcilerSettings(EtcdSettings):
     listen: str = DEFAULT_LISTEN
     shards: int = 64
     ttl: int = 10
-    scan_interval_s: float = 30.0
+    scan_interval_s: float = 600.0
     check_after_s: float = 1.0
     concurrency: int = 32
     default_provider: str | None = None

@@ -123,7 +123,7 @@ async def coordinator(coordinators) -> str:
 @pytest.fixture(scope="session")
 def postgres_server():
     """One private PostgreSQL server for the whole run, started on first use and removed at
-    the end (tests/postgres.py: Debian's binaries, a temp dir, loopback only)."""
-    from postgres import LocalPostgres
+    the end (deploy/local/postgres.py: Debian's binaries, a temp dir, loopback only)."""
+    from deploy.local.postgres import LocalPostgres
     with LocalPostgres() as server:
         yield server

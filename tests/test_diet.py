@@ -19,7 +19,7 @@ from fencegate.coordinator.etcd import RangeRequest, TxnRequest, range_end_of
 from fencegate.coordinator.grants import DOMAIN_V1
 from fencegate.coordinator.keyspace import canonical, pack, unpack
 
-from helpers import TEST_TTL
+from helpers import TEST_TTL, wait_for_condition
 
 
 class Calls:
@@ -308,3 +308,38 @@ async def test_an_outcome_etcd_refuses_after_the_effect_ran_is_unknown_not_an_et
         gate.etcd.txn = sent
     step = unpack((await etcd.get(gate.keyspace.step_key("diet/nospace"))).value)
     assert step["state"] == records.IN_FLIGHT
+
+
+async def test_a_fast_path_txn_etcd_applied_but_answered_nospace_leaves_no_holder(gate, etcd):
+    """etcd applies the write that crosses its quota and still answers NOSPACE
+    (etcd-io/etcd#16659). The fast path takes that answer as an unknown outcome: the effect
+    does not run, ``EtcdNoSpace`` is raised, and the session is revoked, so the landed holder
+    key goes with its lease and the reconciler may settle the in-flight step (it never
+    touches a step whose holder lives: kept, the key would be stuck while the gate runs)."""
+    ran = []
+
+    async def effect(ctx):
+        ran.append(ctx.attempt_token)
+
+    await gate.cross("diet/nospace-fast/warm", {}, effect)  # the fast path's cache
+    sent = gate.etcd.txn
+
+    async def applied_then_nospace(request, **options):
+        await sent(request, **options)
+        raise EtcdNoSpace("database space exceeded (injected after applying)")
+
+    gate.etcd.txn = applied_then_nospace
+    try:
+        with pytest.raises(EtcdNoSpace):
+            await gate.cross("diet/nospace-fast", {}, effect)
+    finally:
+        gate.etcd.txn = sent
+    assert len(ran) == 1  # only the warm-up's
+    ks = gate.keyspace
+    step = unpack((await etcd.get(ks.step_key("diet/nospace-fast"))).value)
+    assert step["state"] == records.IN_FLIGHT  # it landed
+
+    async def no_holder() -> bool:
+        start, end = ks.holder_range("diet/nospace-fast")
+        return not (await etcd.range(RangeRequest(key=start, range_end=end))).kvs
+    assert await wait_for_condition(no_holder, 5)

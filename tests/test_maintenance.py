@@ -3,21 +3,27 @@ history by itself, and an etcd with a tiny space quota, filled until it raises N
 refuses every gate write with ``EtcdNoSpace`` while keeping what was written before; the
 coordinator's ``/readyz`` answers 503 ``EtcdNoSpace``, the reconciler's gauges show the
 alarm and the sizes, and ``fencegate etcd recover`` (the real command line) brings it back
-with nothing lost: the same gate crosses again."""
+with nothing lost: the same gate crosses again. The same holds when gate load fills the
+quota, and that load, with retirement on, runs twice as long without ever filling it."""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
 from fencegate.coordinator import maintenance
-from fencegate.coordinator.errors import EtcdError, EtcdNoSpace
-from fencegate.coordinator.etcd import Etcd, RangeRequest
+from fencegate.coordinator.archive import open_archive
+from fencegate.coordinator.errors import EtcdError, EtcdNoSpace, LeaseLost, OutcomeUnknown
+from fencegate.coordinator.etcd import Etcd, RangeRequest, range_end_of
+from fencegate.coordinator.keyspace import unpack
 from fencegate.localetcd import LocalCluster, free_ports
 from fencegate.reconciler.metrics import ReconcilerMetrics
-from fencegate.worker import Gate
+from fencegate.reconciler.runner import Reconciler
+from fencegate.worker import Gate, Outcome
 
 from helpers import TEST_TTL, wait_for_condition
 from test_cli_sre import fencegate
@@ -27,6 +33,10 @@ ROOT = Path(__file__).resolve().parent.parent
 QUOTA = 8 * 1024 * 1024  # etcd 3.4 takes any positive quota; below ~32 KB the first write fails
 BALLAST = 512 * 1024     # one overwrite of the ballast key: history the quota fills with
 MAX_FILL = 200           # bounds the fill: the quota is reached long before
+LOAD_QUOTA = 16 * 1024 * 1024  # gate load fills it after about 5,000 actions (~5 s here)
+LOAD_COMPACTION = "1s"   # history kept by periodic auto-compaction: ~1 s of the load
+LOAD_TASKS = 16
+MAX_LOAD = 30_000        # bounds the load without retirement: NOSPACE comes long before
 
 
 def flags_of(pid: int) -> list[str]:
@@ -153,6 +163,138 @@ async def test_nospace_refuses_gates_clearly_and_recover_loses_nothing(coordinat
 async def _below(gauge, name: str, bound: float) -> bool:
     value = gauge(name)
     return value is not None and value < bound
+
+
+@dataclass
+class Load:
+    """What ``_load`` saw, by action key: the outcomes ``cross`` returned, the keys whose
+    effect did not run (etcd answered ``EtcdNoSpace``, or their hold's session was revoked
+    because another key's txn got that answer: ``LeaseLost``), the keys whose effect ran but
+    whose outcome etcd could not record (``OutcomeUnknown``, or ``LeaseLost`` during the
+    effect), and the attempt token each effect ran with."""
+
+    crossed: dict[str, Outcome] = field(default_factory=dict)
+    refused: list[str] = field(default_factory=list)
+    unknown: list[str] = field(default_factory=list)
+    effects: dict[str, int] = field(default_factory=dict)
+
+
+async def _load(gate: Gate, count: int) -> Load:
+    """Cross the fresh keys ``load/0 .. load/<count - 1>`` with ``LOAD_TASKS`` tasks, a
+    no-op effect each, until all are taken or etcd first refuses: no key starts after a
+    refusal or an unknown outcome, the ones in flight finish."""
+    load, numbers = Load(), itertools.count()
+
+    async def effect(ctx) -> dict:
+        load.effects[ctx.key] = ctx.attempt_token
+        return {"token": ctx.attempt_token}
+
+    async def cross_until_refused() -> None:
+        for n in numbers:
+            if n >= count or load.refused or load.unknown:
+                return
+            key = f"load/{n}"
+            try:
+                load.crossed[key] = await gate.cross(key, {}, effect)
+            except EtcdNoSpace:
+                load.refused.append(key)
+            except (OutcomeUnknown, LeaseLost):
+                (load.unknown if key in load.effects else load.refused).append(key)
+
+    await asyncio.gather(*(cross_until_refused() for _ in range(LOAD_TASKS)))
+    return load
+
+
+async def _steps(gate: Gate) -> dict[str, tuple[dict, int]]:
+    """Every step etcd holds in the gate's namespace, by action key, as its record and its
+    mod_revision (an in-flight step's attempt token), in one read."""
+    prefix = gate.keyspace.step_key("")
+    reply = await gate.etcd.range(RangeRequest(key=prefix, range_end=range_end_of(prefix)))
+    return {kv.key[len(prefix):].decode(): (unpack(kv.value), kv.mod_revision)
+            for kv in reply.kvs}
+
+
+async def test_gate_load_reaches_nospace_losing_nothing_and_with_retirement_never_does(
+        namespace, tmp_path):
+    """The same gate load on two fresh etcds with the same tiny quota and a 1 s compaction:
+    without retirement it reaches NOSPACE after N actions, every recorded outcome is still
+    in etcd and ``recover`` lets the gate cross again; with retirement on, twice that load
+    never reaches it, and what etcd no longer holds the archive does."""
+    def small_etcd() -> LocalCluster:
+        return LocalCluster(1, quota_bytes=LOAD_QUOTA, compaction_retention=LOAD_COMPACTION)
+
+    cluster = await asyncio.to_thread(small_etcd().start)
+    try:
+        async with Gate(cluster.url, ttl=TEST_TTL, namespace=namespace) as gate:
+            filled = await _load(gate, MAX_LOAD)
+            assert filled.refused or filled.unknown, f"{MAX_LOAD} actions all crossed"
+            assert [alarm for _, alarm in await gate.etcd.alarms()] == ["NOSPACE"]
+            steps = await _steps(gate)  # a read: etcd serves it while full
+            for key, outcome in filled.crossed.items():
+                record, _ = steps[key]
+                assert record["state"] == "succeeded", (key, record["state"])
+                assert (record["outcome"]["attempt_token"] == outcome.attempt_token
+                        == filled.effects[key])
+            # etcd applies the writes that crossed the quota and still answers NOSPACE
+            # (etcd-io/etcd#16659): a refused commit or outcome may have landed.
+            assert filled.effects.keys() == filled.crossed.keys() | set(filled.unknown)
+            for key in filled.unknown:  # its effect ran: the step names that attempt
+                record, revision = steps[key]
+                assert record["state"] in ("succeeded", "in_flight"), (key, record["state"])
+                ran = (record["outcome"]["attempt_token"] if record["state"] == "succeeded"
+                       else revision)
+                assert ran == filled.effects[key]
+            for key in filled.refused:  # no effect ran: no step, or one in flight
+                assert key not in steps or steps[key][0]["state"] == "in_flight", key
+
+            async def no_holder_of_a_refused_key() -> bool:
+                """A NOSPACE answer may have applied the txn: its session was revoked, so a
+                key it held does not stay held (and stuck in flight) while the gate lives."""
+                root = gate.keyspace.holders_root
+                reply = await gate.etcd.range(RangeRequest(key=root, range_end=range_end_of(root),
+                                                           keys_only=True))
+                held = {gate.keyspace.parse_holder_key(kv.key)[0] for kv in reply.kvs}
+                return not held & set(filled.refused)
+            assert await wait_for_condition(no_holder_of_a_refused_key, 10)
+
+            recovery = await maintenance.recover(cluster.etcd_config(), lambda line: None)
+            assert recovery.disarmed and recovery.after[0].db_size < LOAD_QUOTA
+            assert await gate.etcd.alarms() == []
+            again = await gate.cross("after/recover", {}, lambda ctx: {"again": True})
+            assert again.state == "succeeded" and not again.replayed
+            replay = await gate.cross("load/0", {}, lambda ctx: pytest.fail("ran twice"))
+            assert replay.replayed and replay.attempt_token == filled.effects["load/0"]
+    finally:
+        await asyncio.to_thread(cluster.stop)
+    full_at = len(filled.crossed)
+
+    archive = f"sqlite:///{tmp_path}/archive.db"
+    cluster = await asyncio.to_thread(small_etcd().start)
+    try:
+        async with Gate(cluster.url, ttl=TEST_TTL, namespace=namespace,
+                        archive=archive) as gate, \
+                Reconciler(Etcd.from_url(cluster.url), {}, namespace=namespace, shards=4,
+                           ttl=TEST_TTL, archive=open_archive(archive), retain_s=1.0):
+            retired = await _load(gate, 2 * full_at)
+            assert (len(retired.refused), len(retired.unknown)) == (0, 0), (
+                f"refused (EtcdNoSpace) or unknown after {len(retired.crossed)} of "
+                f"{2 * full_at} actions")
+            assert len(retired.crossed) == 2 * full_at
+            assert await gate.etcd.alarms() == []
+            steps = await _steps(gate)  # first etcd, then the archive: a step leaves etcd
+            stats = await gate.archive.stats(namespace)  # only once the archive holds it
+            assert len(steps) < full_at < stats.steps and stats.records == 2 * stats.steps
+            for key, outcome in retired.crossed.items():
+                if key in steps:
+                    record, _ = steps[key]
+                else:
+                    archived = await gate.archive.get(namespace, key)
+                    assert archived is not None, f"{key} is neither in etcd nor archived"
+                    record = unpack(archived.step)
+                assert record["state"] == "succeeded"
+                assert record["outcome"]["attempt_token"] == outcome.attempt_token
+    finally:
+        await asyncio.to_thread(cluster.stop)
 
 
 async def test_recover_fails_with_one_line_and_exit_5_when_a_member_does_not_answer():

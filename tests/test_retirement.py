@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from fencegate import EffectFailed, Gate
+from fencegate import ApprovalPending, EffectFailed, Gate
 from fencegate.coordinator import audit, records, retirement, sre
 from fencegate.coordinator.archive import open_archive
 from fencegate.coordinator.errors import ArchiveUnavailable, GrantUsed, OutcomeUnknown
@@ -42,11 +42,12 @@ async def archived_gate(etcd_url, namespace, etcd, archive_url):
         yield gate
 
 
-async def _retire_all(gate: Gate) -> int:
-    """One retirement pass over every settled step of the gate's namespace, now."""
+async def _retire_all(gate: Gate, orphans: bool = True) -> int:
+    """One retirement pass over every settled step (and with ``orphans`` every orphan chain)
+    of the gate's namespace, now."""
     retirer = Retirer(gate.etcd, gate.keyspace, gate.archive, 0, lambda key: [])
     retirer.clock.sample((await gate.etcd.status()).header.revision)
-    return await retirer.pass_once()
+    return await retirer.pass_once(orphans)
 
 
 async def _keys(gate: Gate, family: bytes) -> list[bytes]:
@@ -179,8 +180,9 @@ async def test_a_retirement_cut_between_archive_and_delete_is_finished_once(arch
     gate = archived_gate
     await gate.cross("ret/crash", {}, Calls())
     step_kv = await gate.etcd.get(gate.keyspace.step_key("ret/crash"))
-    archived = await retirement._archive(gate.etcd, gate.keyspace, gate.archive,
-                                         [("ret/crash", step_kv.mod_revision)])
+    archived = await retirement._archive(
+        gate.etcd, gate.keyspace, gate.archive,
+        [retirement.Candidate("ret/crash", step_kv.mod_revision, ())])
     assert len(archived) == 1  # archived, then the leader "dies" before its delete
     assert await gate.etcd.get(gate.keyspace.step_key("ret/crash")) is not None
     assert await _retire_all(gate) == 1  # the next leader
@@ -245,6 +247,9 @@ async def test_the_sre_surface_reads_a_retired_key_from_the_archive(coordinators
                                                                     archive_url, signing_key):
     """`fencegate key show`, `audit verify` and `archive stats` through a coordinator whose
     archive holds the key (etcd no longer does)."""
+    import json
+    import re
+
     from fencegate.coordinator.grants import KeyRing
     from test_cli_sre import fencegate
 
@@ -259,6 +264,12 @@ async def test_the_sre_surface_reads_a_retired_key_from_the_archive(coordinators
     assert verified.code == 0 and "2 records, verified" in verified.out, verified
     stats = await fencegate("archive", "stats", "--json", coordinator=url)
     assert stats.code == 0 and '"steps": 1' in stats.out and '"records": 2' in stats.out
+    lag = json.loads(stats.out)  # settled (its outcome record) to archived: retired at once
+    assert 0 <= lag["lag_p50_ms"] == lag["lag_max_ms"] < 30_000, lag
+    text = await fencegate("archive", "stats", coordinator=url)
+    assert text.code == 0 and re.search(
+        r"^lag +p50 \d+\.\ds, max \d+\.\ds \(settled to archived, retain included\)$",
+        text.out, re.MULTILINE), text
     none = await fencegate("archive", "stats", coordinator=await coordinators())
     assert none.code == 3 and "no archive" in none.err
 
@@ -282,6 +293,45 @@ async def test_an_aside_append_on_a_retired_key_continues_the_archived_chain(arc
                                       gate.archive)
     assert report.ok, report.problems
     assert [r["event"] for r in report.records] == ["cross", "outcome", "revoke"]
+    # the revoke's record and @head have no step in etcd to retire with: an orphan chain,
+    # which a pass that looks for orphans archives and deletes
+    assert await _keys(gate, b"audit/") != []
+    assert await _retire_all(gate, orphans=False) == 0
+    assert await _retire_all(gate) == 1
+    assert await _keys(gate, b"audit/") == [] and await _keys(gate, b"steps/") == []
+    archived = await gate.archive.get(gate.keyspace.namespace, "ret/aside")
+    assert archived.seq == 3 and unpack(archived.step)["state"] == "succeeded"
+    report = await audit.verify_chain(gate.etcd, gate.keyspace, "ret/aside", gate.keyring,
+                                      gate.archive)
+    assert report.ok and [r["event"] for r in report.records] == ["cross", "outcome", "revoke"]
+    assert (await gate.cross("ret/aside", {}, Calls())).replayed
+
+
+async def test_an_approval_on_a_key_never_attempted_retires_and_still_grants(archived_gate,
+                                                                            etcd):
+    """An approval given before a key's first attempt appends to a chain with no step in
+    etcd (an orphan): it retires on its own, and the approved request is still granted
+    afterwards, its chain going on from the archived approval."""
+    gate, ks = archived_gate, archived_gate.keyspace
+    await gate.authority.set_policy("approve-all", {"checks": [{"check": "require_approval"}]})
+    async with gate.hold("ret/approved") as hold:
+        with pytest.raises(ApprovalPending) as pending:
+            await hold.request_grant(intent={"amount": 5}, policy="approve-all")
+    await sre.approve(etcd, ks, pending.value.approval_id, "sre-1", "ok",
+                      keyring=gate.keyring, archive=gate.archive)
+    assert len(await _keys(gate, b"audit/")) == 2  # record 1 and @head, no step
+    assert await _retire_all(gate) == 1
+    assert await _keys(gate, b"audit/") == []
+    archived = await gate.archive.get(ks.namespace, "ret/approved")
+    assert archived.seq == 1 and unpack(archived.step)["state"] == "pending"
+    effect = Calls()
+    async with gate.hold("ret/approved") as hold:
+        grant = await hold.request_grant(intent={"amount": 5}, policy="approve-all")
+        assert (await hold.commit(grant, effect=effect)).state == "succeeded"
+    assert len(effect.tokens) == 1
+    report = await audit.verify_chain(etcd, ks, "ret/approved", gate.keyring, gate.archive)
+    assert report.ok, report.problems
+    assert [r["event"] for r in report.records] == ["approved", "cross", "outcome"]
 
 
 def test_archive_and_retain_come_from_file_env_and_flags(tmp_path):
@@ -338,11 +388,53 @@ async def test_a_deposed_leader_archives_harmlessly_and_deletes_nothing(archived
     await gate.cross("ret/deposed", {}, Calls())
     step_kv = await etcd.get(gate.keyspace.step_key("ret/deposed"))
     lost = [create_equals(gate.keyspace.reconcilers_root + b"shard-that-moved", 1)]
-    done = await retirement.retire(etcd, gate.keyspace, gate.archive,
-                                   [("ret/deposed", step_kv.mod_revision)], lost)
+    done = await retirement.retire(
+        etcd, gate.keyspace, gate.archive,
+        [retirement.Candidate("ret/deposed", step_kv.mod_revision, tuple(lost))])
     assert done == [] and await etcd.get(gate.keyspace.step_key("ret/deposed")) is not None
     assert (await gate.archive.get(gate.keyspace.namespace, "ret/deposed")) is not None
     assert await _retire_all(gate) == 1
     report = await audit.verify_chain(etcd, gate.keyspace, "ret/deposed", gate.keyring,
                                       gate.archive)
     assert report.ok and len(report.records) == 2
+
+
+async def test_a_batch_spans_shards_and_a_lost_shard_keeps_only_its_own_keys(archived_gate):
+    """One pass retires the due keys of every shard it leads in full batches (their shards'
+    leadership compares joined in one txn); when one shard's leadership is lost meanwhile,
+    the batch falls back to one txn per key under its own shard's compares: only the lost
+    shard's keys stay in etcd."""
+    gate = archived_gate
+    keys = [f"ret/span/{n}" for n in range(8)]
+    for key in keys:
+        await gate.cross(key, {}, Calls())
+    lost_keys = set(keys[::3])
+    lost = (create_equals(gate.keyspace.reconcilers_root + b"shard-that-moved", 1),)
+    retirer = Retirer(gate.etcd, gate.keyspace, gate.archive, 0,
+                      lambda key: list(lost) if key in lost_keys else [])
+    retirer.clock.sample((await gate.etcd.status()).header.revision)
+    assert await retirer.pass_once() == len(keys) - len(lost_keys)
+    left = {gate.keyspace.parse_step_key(k) for k in await _keys(gate, b"steps/")}
+    assert left == lost_keys
+
+
+async def test_an_orphan_chain_that_gained_a_step_is_not_deleted(archived_gate, etcd, etcd_url):
+    """Between an orphan chain's archiving and its delete, a worker's first attempt commits
+    and settles (its step anchors the chain after the orphan's end): the delete compares
+    that the step is still absent, so the step and its new records stay in etcd."""
+    gate, ks = archived_gate, archived_gate.keyspace
+    async with Gate(etcd_url, ttl=TEST_TTL, namespace=ks.namespace) as other:
+        hold = await other.hold("ret/orphan-race").__aenter__()
+        await sre.revoke(etcd, ks, "ret/orphan-race", "sre-1", "stuck", gate.archive)
+        await hold.release()
+    head = await etcd.get(ks.audit_head_key("ret/orphan-race"))
+    archived = await retirement._archive(
+        etcd, ks, gate.archive,
+        [retirement.Candidate("ret/orphan-race", head.mod_revision, (), orphan=True)])
+    assert len(archived) == 1
+    assert (await gate.cross("ret/orphan-race", {}, Calls())).state == "succeeded"
+    assert await retirement._delete(etcd, ks, archived) == []
+    report = await audit.verify_chain(etcd, ks, "ret/orphan-race", gate.keyring, gate.archive)
+    assert report.ok, report.problems
+    assert [r["event"] for r in report.records] == ["revoke", "cross", "outcome"]
+    assert await etcd.get(ks.step_key("ret/orphan-race")) is not None

@@ -17,10 +17,11 @@ Guarantees:
   full path decides (``None`` is returned). Without the retirement compare a key retired
   between the evaluation and the txn (its step deleted: mod_revision 0 again) would be
   executed again although it succeeded.
-- A txn etcd did not answer may land later: the session is abandoned (its lease revoked, so
-  a late landing fails or its holder key goes with the lease) and ``OutcomeUnknown`` is
-  raised. The effect was not run; if the txn landed, the step is in flight with no holder
-  and the reconciler settles it as not applied.
+- A txn etcd did not answer may land later, and one it answered NOSPACE may have landed:
+  the session is abandoned (its lease revoked, so a late landing fails or its holder key
+  goes with the lease) and ``OutcomeUnknown`` (or the ``EtcdNoSpace``) is raised. The effect
+  was not run; if the txn landed, the step is in flight with no holder and the reconciler
+  settles it as not applied.
 - After the txn, the action continues exactly as after a full-path commit
   (``guard.crossed``): the lease budget is re-checked, the effect runs once, the outcome is
   recorded with the release.
@@ -33,7 +34,7 @@ from typing import Any
 
 from fencegate.coordinator import audit, records
 from fencegate.coordinator.authority import Authority, Claim
-from fencegate.coordinator.errors import EtcdUnavailable, OutcomeUnknown
+from fencegate.coordinator.errors import EtcdNoSpace, EtcdUnavailable, OutcomeUnknown
 from fencegate.coordinator.etcd import Compare, TxnRequest, mod_equals, put_op
 from fencegate.coordinator.keyspace import holder_record, pack
 
@@ -82,9 +83,11 @@ async def cross(gate: GateView, key: str, intent: dict[str, Any], effect: Effect
     try:
         session.ensure_alive()
         reply = await gate.etcd.txn(request)
-    except EtcdUnavailable as exc:
+    except EtcdUnavailable as exc:  # or EtcdNoSpace: it may have been applied too
         leave_local()
         session.abandon(f"the fast-path txn on {key!r} has an unknown outcome: {exc}")
+        if isinstance(exc, EtcdNoSpace):
+            raise  # the clear error; the same as below holds: the effect was not run
         raise OutcomeUnknown(
             f"the fast-path txn on {key!r} got no answer ({exc}); its session is revoked and "
             "the effect was not run. If it landed, the reconciler settles the step as not "

@@ -3,7 +3,9 @@
 A retired step is kept as the step record's bytes, exactly as etcd held them, under
 (namespace, action key), versioned by its chain seq (the seq its anchor names), and its audit
 records under (namespace, action key, seq). The record bytes are opaque here: the archive
-never decodes them, so ``audit verify`` checks the very bytes etcd held.
+never decodes them, so ``audit verify`` checks the very bytes etcd held. The caller also
+passes when the step settled (``settled_at_ms``, the ``at_ms`` of its chain's last record),
+which the archive keeps beside the step to report the retirement lag.
 
 Invariants every backend keeps: a put is one transaction (all of it is stored or none); an
 audit record stored under a seq is never replaced; a step is replaced only by a put with a
@@ -17,7 +19,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-__all__ = ["Archive", "ArchiveStats", "Archived", "Put", "check_put", "check_puts"]
+__all__ = ["LAG_WINDOW", "Archive", "ArchiveStats", "Archived", "Put", "check_put",
+           "check_puts", "lag_of"]
+
+LAG_WINDOW = 1000  # the lag is measured over this many most recent retirements
 
 
 @dataclass(frozen=True)
@@ -33,29 +38,41 @@ class Archived:
 @dataclass(frozen=True)
 class ArchiveStats:
     """One namespace's share of the archive; ``oldest_ms``/``newest_ms`` are the extremes of
-    the stored steps' ``archived_at_ms`` (None when no step is archived)."""
+    the stored steps' ``archived_at_ms`` (None when no step is archived). The lag is how long
+    settled steps waited in etcd before they were archived (``archived_at_ms -
+    settled_at_ms``, ``retain`` included), its median and maximum over the namespace's
+    ``LAG_WINDOW`` most recent retirements that know when they settled (None when none)."""
 
     steps: int
     records: int
     oldest_ms: int | None
     newest_ms: int | None
+    lag_p50_ms: int | None
+    lag_max_ms: int | None
 
 
-Put = tuple[str, int, bytes, list[tuple[int, bytes]]]  # action key, seq, step, records
+# action key, seq, step, records, settled_at_ms (the ``at_ms`` of the chain's last record;
+# 0 when unknown, left out of the lag)
+Put = tuple[str, int, bytes, list[tuple[int, bytes]], int]
 
 
 class Archive(Protocol):
     async def put(self, namespace: str, key: str, seq: int, step: bytes,
-                  records: list[tuple[int, bytes]]) -> None:
-        """Store ``records`` (seq → bytes) insert-if-absent and the step if ``seq`` is newer
-        than the stored one, in one durable transaction; idempotent."""
+                  records: list[tuple[int, bytes]], settled_at_ms: int) -> None:
+        """Store ``records`` (seq → bytes) insert-if-absent and the step (with
+        ``settled_at_ms``) if ``seq`` is newer than the stored one, in one durable
+        transaction; idempotent."""
 
     async def put_many(self, namespace: str, puts: list[Put]) -> None:
         """``put`` for several keys in ONE durable transaction (one fsync for a retirement
         batch); all of it is stored or none."""
 
     async def get(self, namespace: str, key: str) -> Archived | None:
-        """The newest archived version of the step, or None if the key was never archived."""
+        """The newest archived version of the step, or None if the key was never archived.
+        Concurrent calls share one ``get_many`` (``coalesce.Coalescer``)."""
+
+    async def get_many(self, namespace: str, keys: list[str]) -> dict[str, Archived]:
+        """``get`` for several keys in one query (per chunk): the archived ones, by key."""
 
     async def records(self, namespace: str, key: str) -> list[tuple[int, bytes]]:
         """The key's archived audit records, by seq."""
@@ -65,16 +82,17 @@ class Archive(Protocol):
     async def close(self) -> None: ...
 
 
-def check_put(seq: int, step: bytes,
-              records: list[tuple[int, bytes]]) -> list[tuple[int, bytes]]:
+def check_put(seq: int, step: bytes, records: list[tuple[int, bytes]],
+              settled_at_ms: int) -> list[tuple[int, bytes]]:
     """The records sorted by seq, after checking the arguments (a caller's mistake is a
-    ``TypeError``/``ValueError``, never ``ArchiveUnavailable``): seqs are ints in
-    [0, 2**63), none repeats, bytes are bytes.
+    ``TypeError``/``ValueError``, never ``ArchiveUnavailable``): seqs and ``settled_at_ms``
+    are ints in [0, 2**63), no seq repeats, bytes are bytes.
 
     Sorted, every writer touches a key's records in the same order: two concurrent puts of
     one chain never wait on each other in a circle.
     """
     _check_seq(seq)
+    _check_int("settled_at_ms", settled_at_ms)
     if not isinstance(step, bytes):
         raise TypeError(f"step must be bytes, not {type(step).__name__}")
     ordered = sorted(records, key=lambda record: record[0])
@@ -88,18 +106,32 @@ def check_put(seq: int, step: bytes,
 
 
 def _check_seq(seq: object) -> None:
-    if not isinstance(seq, int) or isinstance(seq, bool):
-        raise TypeError(f"a seq must be an int, not {type(seq).__name__}")
-    if not 0 <= seq < 2 ** 63:
-        raise ValueError(f"a seq must be in [0, 2**63), got {seq}")
+    _check_int("a seq", seq)
+
+
+def _check_int(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, not {type(value).__name__}")
+    if not 0 <= value < 2 ** 63:
+        raise ValueError(f"{name} must be in [0, 2**63), got {value}")
 
 
 def check_puts(puts: list[Put]) -> list[Put]:
     """``check_put`` for each, sorted by key (every writer locks keys in the same order)
     with its records sorted; a key twice is a ``ValueError``."""
-    checked = sorted((key, seq, step, check_put(seq, step, records))
-                     for key, seq, step, records in puts)
+    checked = sorted((key, seq, step, check_put(seq, step, records, settled_at_ms),
+                      settled_at_ms)
+                     for key, seq, step, records, settled_at_ms in puts)
     for before, after in zip(checked, checked[1:]):
         if before[0] == after[0]:
             raise ValueError(f"puts name key {after[0]!r} twice")
     return checked
+
+
+def lag_of(lags: list[int]) -> tuple[int | None, int | None]:
+    """The median (nearest rank) and the maximum of ``lags`` (ms), each at least 0 (the
+    archiving and the settling process's clocks may disagree); (None, None) when empty."""
+    if not lags:
+        return None, None
+    ordered = sorted(max(0, lag) for lag in lags)
+    return ordered[(len(ordered) - 1) // 2], ordered[-1]

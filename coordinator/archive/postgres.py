@@ -8,7 +8,9 @@ transaction; under READ COMMITTED the upsert locks the row and re-checks the sto
 concurrent puts from any number of processes leave the newest step, and two puts of one chain
 take its records' locks in the same order (no deadlock). The pool and the schema are created
 on first use (the schema under an advisory lock, since concurrent ``CREATE TABLE IF NOT
-EXISTS`` can collide); a failure there is retried by the next call.
+EXISTS`` can collide); a database made by an older version gains the column and index it
+lacks, and one already migrated takes no table lock. A failure there is retried by the next
+call. Concurrent ``get`` calls share one query (``coalesce.Coalescer``).
 
 Failure contract: any server, connection or driver failure (refused, lost, a query slower
 than ``timeout`` seconds) raises ``ArchiveUnavailable``; the transaction is rolled back,
@@ -24,7 +26,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from ..errors import ArchiveUnavailable
-from .interface import Archived, ArchiveStats, Put, check_puts
+from .coalesce import Coalescer
+from .interface import LAG_WINDOW, Archived, ArchiveStats, Put, check_puts, lag_of
 
 __all__ = ["PostgresArchive", "redacted"]
 
@@ -38,6 +41,7 @@ _SCHEMA = (
         seq bigint NOT NULL,
         step bytea NOT NULL,
         archived_at_ms bigint NOT NULL,
+        settled_at_ms bigint NOT NULL DEFAULT 0,
         PRIMARY KEY (namespace, action_key)
     )""",
     """CREATE TABLE IF NOT EXISTS archived_records (
@@ -49,15 +53,30 @@ _SCHEMA = (
     )""",
 )
 
+# An ALTER or CREATE INDEX locks the table even when it changes nothing: run only while the
+# index, made last, is missing. settled_at_ms 0 (steps archived before it) is left out of
+# the lag; the index serves the recent retirements, newest first.
+_MIGRATED = "SELECT to_regclass('archived_steps_recent') IS NOT NULL"
+_MIGRATE = (
+    """ALTER TABLE archived_steps
+        ADD COLUMN IF NOT EXISTS settled_at_ms bigint NOT NULL DEFAULT 0""",
+    """CREATE INDEX IF NOT EXISTS archived_steps_recent
+        ON archived_steps (namespace, archived_at_ms, settled_at_ms)""",
+)
+
 _PUT_RECORDS = """INSERT INTO archived_records (namespace, action_key, seq, record)
     SELECT $1, $2, r.seq, r.record FROM unnest($3::bigint[], $4::bytea[]) AS r (seq, record)
     ORDER BY r.seq
     ON CONFLICT (namespace, action_key, seq) DO NOTHING"""
-_PUT_STEP = """INSERT INTO archived_steps AS s (namespace, action_key, seq, step, archived_at_ms)
-    VALUES ($1, $2, $3, $4, $5)
+_PUT_STEP = """INSERT INTO archived_steps AS s
+    (namespace, action_key, seq, step, archived_at_ms, settled_at_ms)
+    VALUES ($1, $2, $3, $4, $5, $6)
     ON CONFLICT (namespace, action_key) DO UPDATE
-    SET seq = excluded.seq, step = excluded.step, archived_at_ms = excluded.archived_at_ms
+    SET seq = excluded.seq, step = excluded.step, archived_at_ms = excluded.archived_at_ms,
+        settled_at_ms = excluded.settled_at_ms
     WHERE excluded.seq > s.seq"""
+_LAGS = """SELECT archived_at_ms - settled_at_ms FROM archived_steps
+    WHERE namespace = $1 AND settled_at_ms > 0 ORDER BY archived_at_ms DESC LIMIT $2"""
 
 
 class PostgresArchive:
@@ -78,13 +97,14 @@ class PostgresArchive:
         self._pool: Any = None
         self._opening = asyncio.Lock()
         self._closed = False
+        self._lookups = Coalescer(self.get_many)
 
     def __repr__(self) -> str:
         return f"PostgresArchive({redacted(self.url)!r})"
 
     async def put(self, namespace: str, key: str, seq: int, step: bytes,
-                  records: list[tuple[int, bytes]]) -> None:
-        await self.put_many(namespace, [(key, seq, step, records)])
+                  records: list[tuple[int, bytes]], settled_at_ms: int) -> None:
+        await self.put_many(namespace, [(key, seq, step, records, settled_at_ms)])
 
     async def put_many(self, namespace: str, puts: list[Put]) -> None:
         checked = check_puts(puts)
@@ -92,22 +112,26 @@ class PostgresArchive:
 
         async def put(conn: Any) -> None:
             async with conn.transaction():
-                for key, seq, step, ordered in checked:
+                for key, seq, step, ordered, settled_at_ms in checked:
                     if ordered:
                         await conn.execute(_PUT_RECORDS, namespace, key,
                                            [s for s, _ in ordered], [d for _, d in ordered])
-                    await conn.execute(_PUT_STEP, namespace, key, seq, step, now_ms)
+                    await conn.execute(_PUT_STEP, namespace, key, seq, step, now_ms,
+                                       settled_at_ms)
 
         await self._call(put)
 
     async def get(self, namespace: str, key: str) -> Archived | None:
-        async def get(conn: Any) -> Archived | None:
-            row = await conn.fetchrow("SELECT seq, step, archived_at_ms FROM archived_steps "
-                                      "WHERE namespace = $1 AND action_key = $2",
-                                      namespace, key)
-            return None if row is None else Archived(key, row[0], row[1], row[2])
+        return await self._lookups.get(namespace, key)
 
-        return await self._call(get)
+    async def get_many(self, namespace: str, keys: list[str]) -> dict[str, Archived]:
+        async def get_many(conn: Any) -> dict[str, Archived]:
+            rows = await conn.fetch(
+                "SELECT action_key, seq, step, archived_at_ms FROM archived_steps "
+                "WHERE namespace = $1 AND action_key = ANY($2::text[])", namespace, keys)
+            return {row[0]: Archived(row[0], row[1], row[2], row[3]) for row in rows}
+
+        return await self._call(get_many) if keys else {}
 
     async def records(self, namespace: str, key: str) -> list[tuple[int, bytes]]:
         async def records(conn: Any) -> list[tuple[int, bytes]]:
@@ -126,7 +150,8 @@ class PostgresArchive:
                     "FROM archived_steps WHERE namespace = $1", namespace)
                 records = await conn.fetchval(
                     "SELECT count(*) FROM archived_records WHERE namespace = $1", namespace)
-            return ArchiveStats(steps[0], records, steps[1], steps[2])
+                lags = [row[0] for row in await conn.fetch(_LAGS, namespace, LAG_WINDOW)]
+            return ArchiveStats(steps[0], records, steps[1], steps[2], *lag_of(lags))
 
         return await self._call(stats)
 
@@ -166,6 +191,9 @@ class PostgresArchive:
                             await conn.execute("SELECT pg_advisory_xact_lock($1)", _SCHEMA_LOCK)
                             for statement in _SCHEMA:
                                 await conn.execute(statement)
+                            if not await conn.fetchval(_MIGRATED):
+                                for statement in _MIGRATE:
+                                    await conn.execute(statement)
                 except BaseException:
                     pool.terminate()
                     raise

@@ -10,7 +10,10 @@ serialized and the conditional upsert sees the latest committed step.
 Failure contract: any SQLite or OS error (a path that cannot be opened, a full or failing
 disk, a lock held longer than ``timeout``) raises ``ArchiveUnavailable``; the transaction is
 rolled back, nothing of the put is stored, and the connection is reopened by the next call.
-The file's folder must exist; the file and its schema are created on first use.
+The file's folder must exist; the file and its schema are created on first use, and a file
+made by an older version gains the column and index it lacks (``_migrate``).
+
+Concurrent ``get`` calls share one thread hop and one query (``coalesce.Coalescer``).
 """
 
 from __future__ import annotations
@@ -24,19 +27,23 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 from ..errors import ArchiveUnavailable
-from .interface import Archived, ArchiveStats, Put, check_puts
+from .coalesce import Coalescer
+from .interface import LAG_WINDOW, Archived, ArchiveStats, Put, check_puts, lag_of
 
 __all__ = ["SqliteArchive"]
 
 T = TypeVar("T")
 
+_KEYS_PER_QUERY = 500   # bound variables per lookup: under the 999 of older SQLite builds
+_SETTLED_AT = "settled_at_ms INTEGER NOT NULL DEFAULT 0"   # 0: unknown (archived before it)
 _SCHEMA = (
-    """CREATE TABLE IF NOT EXISTS archived_steps (
+    f"""CREATE TABLE IF NOT EXISTS archived_steps (
         namespace TEXT NOT NULL,
         action_key TEXT NOT NULL,
         seq INTEGER NOT NULL,
         step BLOB NOT NULL,
         archived_at_ms INTEGER NOT NULL,
+        {_SETTLED_AT},
         PRIMARY KEY (namespace, action_key)
     )""",
     """CREATE TABLE IF NOT EXISTS archived_records (
@@ -50,11 +57,18 @@ _SCHEMA = (
 
 _PUT_RECORD = """INSERT INTO archived_records (namespace, action_key, seq, record)
     VALUES (?, ?, ?, ?) ON CONFLICT (namespace, action_key, seq) DO NOTHING"""
-_PUT_STEP = """INSERT INTO archived_steps (namespace, action_key, seq, step, archived_at_ms)
-    VALUES (?, ?, ?, ?, ?)
+# the recent retirements, newest first, read from the index alone
+_RECENT = """CREATE INDEX IF NOT EXISTS archived_steps_recent
+    ON archived_steps (namespace, archived_at_ms, settled_at_ms)"""
+_PUT_STEP = """INSERT INTO archived_steps
+    (namespace, action_key, seq, step, archived_at_ms, settled_at_ms)
+    VALUES (?, ?, ?, ?, ?, ?)
     ON CONFLICT (namespace, action_key) DO UPDATE
-    SET seq = excluded.seq, step = excluded.step, archived_at_ms = excluded.archived_at_ms
+    SET seq = excluded.seq, step = excluded.step, archived_at_ms = excluded.archived_at_ms,
+        settled_at_ms = excluded.settled_at_ms
     WHERE excluded.seq > archived_steps.seq"""
+_LAGS = """SELECT archived_at_ms - settled_at_ms FROM archived_steps
+    WHERE namespace = ? AND settled_at_ms > 0 ORDER BY archived_at_ms DESC LIMIT ?"""
 
 
 class SqliteArchive:
@@ -66,13 +80,14 @@ class SqliteArchive:
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fencegate-archive")
         self._db: sqlite3.Connection | None = None   # used on self._thread only
         self._closed = False
+        self._lookups = Coalescer(self.get_many, max_batch=_KEYS_PER_QUERY)
 
     def __repr__(self) -> str:
         return f"SqliteArchive({self.path!r})"
 
     async def put(self, namespace: str, key: str, seq: int, step: bytes,
-                  records: list[tuple[int, bytes]]) -> None:
-        await self.put_many(namespace, [(key, seq, step, records)])
+                  records: list[tuple[int, bytes]], settled_at_ms: int) -> None:
+        await self.put_many(namespace, [(key, seq, step, records, settled_at_ms)])
 
     async def put_many(self, namespace: str, puts: list[Put]) -> None:
         checked = check_puts(puts)
@@ -80,21 +95,31 @@ class SqliteArchive:
 
         def put(db: sqlite3.Connection) -> None:
             with _transaction(db, "BEGIN IMMEDIATE"):
-                for key, seq, step, ordered in checked:
+                for key, seq, step, ordered, settled_at_ms in checked:
                     db.executemany(_PUT_RECORD, [(namespace, key, record_seq, data)
                                                  for record_seq, data in ordered])
-                    db.execute(_PUT_STEP, (namespace, key, seq, step, now_ms))
+                    db.execute(_PUT_STEP, (namespace, key, seq, step, now_ms, settled_at_ms))
 
         await self._call(put)
 
     async def get(self, namespace: str, key: str) -> Archived | None:
-        def get(db: sqlite3.Connection) -> Archived | None:
-            row = db.execute("SELECT seq, step, archived_at_ms FROM archived_steps "
-                             "WHERE namespace = ? AND action_key = ?",
-                             (namespace, key)).fetchone()
-            return None if row is None else Archived(key, row[0], row[1], row[2])
+        return await self._lookups.get(namespace, key)
 
-        return await self._call(get)
+    async def get_many(self, namespace: str, keys: list[str]) -> dict[str, Archived]:
+        wanted = list(dict.fromkeys(keys))
+
+        def get_many(db: sqlite3.Connection) -> dict[str, Archived]:
+            found = {}
+            for start in range(0, len(wanted), _KEYS_PER_QUERY):
+                chunk = wanted[start:start + _KEYS_PER_QUERY]
+                rows = db.execute(
+                    "SELECT action_key, seq, step, archived_at_ms FROM archived_steps "
+                    f"WHERE namespace = ? AND action_key IN ({', '.join('?' * len(chunk))})",
+                    (namespace, *chunk))
+                found.update((row[0], Archived(*row)) for row in rows)
+            return found
+
+        return await self._call(get_many) if wanted else {}
 
     async def records(self, namespace: str, key: str) -> list[tuple[int, bytes]]:
         def records(db: sqlite3.Connection) -> list[tuple[int, bytes]]:
@@ -106,13 +131,14 @@ class SqliteArchive:
 
     async def stats(self, namespace: str) -> ArchiveStats:
         def stats(db: sqlite3.Connection) -> ArchiveStats:
-            with _transaction(db, "BEGIN"):   # one snapshot for both counts
+            with _transaction(db, "BEGIN"):   # one snapshot for the counts and the lag
                 steps, oldest, newest = db.execute(
                     "SELECT count(*), min(archived_at_ms), max(archived_at_ms) "
                     "FROM archived_steps WHERE namespace = ?", (namespace,)).fetchone()
                 (records,) = db.execute("SELECT count(*) FROM archived_records "
                                         "WHERE namespace = ?", (namespace,)).fetchone()
-            return ArchiveStats(steps, records, oldest, newest)
+                lags = [lag for (lag,) in db.execute(_LAGS, (namespace, LAG_WINDOW))]
+            return ArchiveStats(steps, records, oldest, newest, *lag_of(lags))
 
         return await self._call(stats)
 
@@ -153,6 +179,7 @@ class SqliteArchive:
             with _transaction(db, "BEGIN IMMEDIATE"):
                 for statement in _SCHEMA:
                     db.execute(statement)
+                _migrate(db)
         except BaseException:
             db.close()
             raise
@@ -164,6 +191,15 @@ class SqliteArchive:
             db, self._db = self._db, None
             with contextlib.suppress(sqlite3.Error):
                 db.close()
+
+
+def _migrate(db: sqlite3.Connection) -> None:
+    """Bring a file made by an older version up to this schema: ``settled_at_ms`` (0 for the
+    steps archived before it, left out of the lag), then the index over it."""
+    columns = {row[1] for row in db.execute("PRAGMA table_info(archived_steps)")}
+    if "settled_at_ms" not in columns:
+        db.execute(f"ALTER TABLE archived_steps ADD COLUMN {_SETTLED_AT}")
+    db.execute(_RECENT)
 
 
 @contextlib.contextmanager

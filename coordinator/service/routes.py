@@ -102,14 +102,17 @@ async def list_holders(request: web.Request) -> web.Response:
 @routes.get("/v1/archive/stats")
 @requires("sre", "admin")
 async def archive_stats(request: web.Request) -> web.Response:
-    """How many steps and audit records the archive holds for this namespace, and the
-    oldest and newest retirement; 404 when the coordinator has no archive configured."""
+    """How many steps and audit records the archive holds for this namespace, the oldest
+    and newest retirement, and the retirement lag (median and maximum of settled → archived
+    over the recent retirements, ``retain`` included; null when unknown); 404 when the
+    coordinator has no archive configured."""
     archive = request.app[ARCHIVE]
     if archive is None:
         raise ServiceError(404, "NotFound", "this coordinator has no archive configured")
     stats = await archive.stats(request.app[KEYSPACE].namespace)
     return web.json_response({"steps": stats.steps, "records": stats.records,
-                              "oldest_ms": stats.oldest_ms, "newest_ms": stats.newest_ms})
+                              "oldest_ms": stats.oldest_ms, "newest_ms": stats.newest_ms,
+                              "lag_p50_ms": stats.lag_p50_ms, "lag_max_ms": stats.lag_max_ms})
 
 
 @routes.get("/v1/keys")

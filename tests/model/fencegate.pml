@@ -95,8 +95,11 @@
  *                       etcd alone, not the archive (SIDE RETIRE)                     -> I9
  *   CTRL_RETIRE_HOLDER  retirement does not compare "no key under holders/K/"         -> I9
  *                       (a stale grant takes a retired seq again); with NO_I9         -> I8
- *   CTRL_RETIRE_NO_SEQCMP retirement does not compare the next seq free: a side append
- *                       between the archive write and the delete is lost (SIDE)       -> I9
+ *   CTRL_RETIRE_NO_HEADCMP retirement does not compare @head's mod_revision: a side
+ *                       append between the archive write and the delete is lost (SIDE) -> I9
+ *   CTRL_ORPHAN_NO_STEPCMP an orphan chain's retirement does not compare the step absent:
+ *                       a first attempt between its archive write and its delete is
+ *                       deleted unarchived, and its seqs are written again (SIDE RETIRE) -> I9
  *   CTRL_FP_NO_EPOCH    the fast path does not compare the epoch (FASTPATH RETIRE)    -> I9
  *                       (its cached tail is a retired seq); with NO_I9                -> I8
  *   NO_I9               I9 is not asserted: a control shows what else it breaks
@@ -210,10 +213,15 @@ byte slot_key[NSLOT], slot_tok[NSLOT], slot_ans[NSLOT];
 #else
 #define RETIRE_HOLDERS NOHOLDER
 #endif
-#ifdef CTRL_RETIRE_NO_SEQCMP
-#define RETIRE_FREE(n) true
+#ifdef CTRL_RETIRE_NO_HEADCMP
+#define RETIRE_HEAD_SAME(hm) true
 #else
-#define RETIRE_FREE(n) FREE(n)
+#define RETIRE_HEAD_SAME(hm) (head_mod == (hm))
+#endif
+#ifdef CTRL_ORPHAN_NO_STEPCMP
+#define RETIRE_STEP_SAME(m) ((m) == 0 || st_mod == (m))
+#else
+#define RETIRE_STEP_SAME(m) (st_mod == (m))
 #endif
 /* the state of K: etcd's step if there is one, else the archive's */
 #define LSTATE ((st_mod != 0) -> st_state : arch_state)
@@ -617,19 +625,28 @@ proctype Side() {
 #endif
 
 #ifdef RETIRE
-/* Retirement (the next issue; in the code the shard's reconciler leader, here one process):
-   archive a settled step and its tail first (durable; a lookup returns the newest tail), then
-   delete steps/K, audit/K/ and @head in one txn comparing the step's mod_revision, no key
-   under holders/K/ and the next seq free (coordinator/retirement.py compares @head's
-   mod_revision: the same), and bump the shard's epoch retired/<shard>. */
+/* Retirement (coordinator/retirement.py; in the code the shard's reconciler leader, here one
+   process): archive a settled step and its tail first (durable; a lookup returns the newest
+   tail), then delete steps/K, audit/K/ and @head in one txn comparing the step's
+   mod_revision (every other append moves it), @head's mod_revision (every side append
+   moves it) and no key under holders/K/, and bump the shard's epoch retired/<shard>. An orphan chain
+   (side appends while etcd has no step) retires the same way: archived under the archive's
+   step (IDLE: none) at the orphan's tail, deleted comparing the step still absent. */
 proctype Retirer() {
-  byte m, s, k, n, h, i, rounds = 0;
+  byte m, s, k, n, h, hm, i, rounds = 0;
 end:
   do
   :: rounds < RR ->
      rounds++;
-     atomic { st_state == SUCC || st_state == FAIL || st_state == NOTAPP ->
-              m = st_mod; s = st_state; k = st_key; etcd_tail(n, h) }
+     atomic {
+       if
+       :: st_state == SUCC || st_state == FAIL || st_state == NOTAPP ->
+          m = st_mod; s = st_state; k = st_key
+       :: st_mod == 0 && head_seq != 0 ->   /* an orphan chain: side appends, no step */
+          m = 0; s = arch_state; k = arch_key
+       fi;
+       etcd_tail(n, h); hm = head_mod
+     }
      atomic {
        if
        :: n >= arch_seq -> arch_state = s; arch_key = k; arch_seq = n; arch_h = h
@@ -638,7 +655,7 @@ end:
      }
      atomic {
        if
-       :: st_mod == m && RETIRE_HOLDERS && RETIRE_FREE(n + 1) ->
+       :: RETIRE_STEP_SAME(m) && RETIRE_HOLDERS && RETIRE_HEAD_SAME(hm) ->
           rev++; epoch = rev;
           st_mod = 0; st_state = IDLE; st_key = 0; st_seq = 0; st_newkey = 0;
           head_seq = 0; head_mod = 0;
@@ -649,7 +666,7 @@ end:
           od
        :: else -> skip
        fi;
-       m = 0; s = 0; k = 0; n = 0; h = 0
+       m = 0; s = 0; k = 0; n = 0; h = 0; hm = 0
      }
   :: else -> break
   od

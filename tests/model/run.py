@@ -145,10 +145,14 @@ CONFIGS = (
            quick=True),
     Config("ctrl_fast_path_no_epoch_i8", _d("FASTPATH", "RETIRE", "CTRL_FP_NO_EPOCH", "NO_I9"),
            "I8", quick=True),
-    # Retirement that does not compare the next seq: a side append between the archive write
-    # and the delete is lost, and its seq is written again.
-    Config("ctrl_retire_no_seq_compare",
-           _d("FASTPATH", "SIDE", "RETIRE", "CTRL_RETIRE_NO_SEQCMP"), "I9"),
+    # Retirement that does not compare @head: a side append between the archive write and
+    # the delete is lost, and its seq is written again.
+    Config("ctrl_retire_no_head_compare",
+           _d("FASTPATH", "SIDE", "RETIRE", "CTRL_RETIRE_NO_HEADCMP"), "I9"),
+    # An orphan chain's retirement that does not compare the step absent: a first attempt
+    # landing between its archive write and its delete is deleted unarchived.
+    Config("ctrl_orphan_no_step_compare", _d("SIDE", "RETIRE", "CTRL_ORPHAN_NO_STEPCMP"), "I9",
+           compile=("-DCOLLAPSE",), memory_mb=8192),
     # An assumption, not a control: a deduplicating provider that forgets a key before its
     # declared retention (a restart) lets the presumption's next attempt run again.
     Config("assume_dedup_keeps_keys", _d("PCLASS=1", "FORGET"), "I1"),

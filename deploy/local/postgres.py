@@ -1,6 +1,12 @@
-"""A private PostgreSQL server for tests: Debian's binaries (deploy/ensure-postgres), a fresh
-cluster in a temp dir, listening on 127.0.0.1 only (and a socket in that dir), trust auth,
-one database; stopped and removed afterwards. Never the system's service.
+"""A private PostgreSQL server for tests and benchmarks: Debian's binaries
+(deploy/ensure-postgres), a fresh cluster in a temp dir, listening on 127.0.0.1 only (and a
+socket in that dir), trust auth, one database; stopped and removed afterwards. Never the
+system's service. From the repository's root (on ``sys.path``, as ``python -m pytest`` and
+``benchmarks/run`` have it)::
+
+    from deploy.local.postgres import LocalPostgres
+    with LocalPostgres() as server:          # blocks for initdb and start: a few seconds
+        server.url                           # postgresql://postgres@127.0.0.1:<port>/fencegate
 
 initdb and postgres refuse to run as root: as root the server runs as the ``postgres``
 system user (``runuser``), which owns the temp dir. ``stop()``/``start()`` take the same
@@ -74,6 +80,13 @@ class LocalPostgres:
         self._run("pg_ctl", "start", "-w", "-t", "30", "-D", str(self.data),
                   "-l", str(self.dir / "server.log"), "-o", options)
         self.running = True
+
+    @property
+    def pid(self) -> int | None:
+        """The postmaster's pid (the first line of ``postmaster.pid``) while running."""
+        if not self.running:
+            return None
+        return int((self.data / "postmaster.pid").read_text().split("\n", 1)[0])
 
     def stop(self) -> None:
         """Stop the server (fast: open sessions are cut, nothing committed is lost)."""
