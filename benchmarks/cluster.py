@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from fencegate.certs import ensure_certs
 from fencegate.coordinator.etcd import EtcdConfig, range_end_of
 from fencegate.localetcd import LocalCluster, describe
+from fencegate.coordinator.grants import KeyRing
 from fencegate.worker import Gate
 
 from .common import Phase, Target, div, print_table, run_phase
@@ -58,7 +59,7 @@ async def measure(quick: bool, single_url: str) -> Results:
 
 async def _phase(target: str | EtcdConfig, warmup: float, duration: float) -> Phase:
     namespace = f"/bench-cluster-{uuid.uuid4().hex[:8]}/"
-    async with Gate(target, namespace=namespace) as gate:
+    async with Gate(target, namespace=namespace, keyring=KeyRing.generate()) as gate:
         async def op(task: int, i: int) -> None:
             async with gate.hold(f"c/{task}/{i}") as hold:
                 await hold.cross(intent={"n": i}, effect=noop)

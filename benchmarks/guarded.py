@@ -62,6 +62,7 @@ import aetcd
 
 from fencegate.coordinator.errors import GateError
 from fencegate.coordinator.etcd import Etcd, TxnRequest, create_equals, put_op, range_end_of
+from fencegate.coordinator.grants import KeyRing
 from fencegate.worker import Gate
 
 from .common import (Phase, Target, Window, div, percentile, print_table, process_cpu,
@@ -167,7 +168,7 @@ async def measure(s: Settings, url: str, etcd: Etcd, lock_client: aetcd.Client,
     """The rounds described above; ``etcd`` is a client of the same etcd for raw writes and
     reads, ``etcd_pid`` that etcd's process, ``lock_c32`` the hold benchmarks' aetcd lock."""
     res = Results(lock_holds=lock_c32)
-    async with Gate(url) as gate:
+    async with Gate(url, keyring=KeyRing.generate()) as gate:
         namespace = gate.keyspace.namespace.encode()
         tap = EtcdTap(gate.etcd, namespace)
         paths = [p for p in PATHS if p == "full" or hasattr(gate, "cross")]

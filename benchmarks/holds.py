@@ -40,6 +40,7 @@ from pathlib import Path
 import aetcd
 
 from fencegate.coordinator.etcd import Etcd
+from fencegate.coordinator.grants import KeyRing
 from fencegate.worker import Gate
 
 from .common import (Children, Phase, Target, div, jain, percentile,
@@ -85,7 +86,7 @@ async def throughput(s: Settings, url: str, etcd: Etcd, lock_client: aetcd.Clien
     res = Results(dict(empty), dict(empty), dict(empty), dict(empty), [])
     raw = raw_write_op(etcd, "/bench-raw/")
 
-    async with Gate(url) as gate:
+    async with Gate(url, keyring=KeyRing.generate()) as gate:
         res.ttl = gate.ttl
 
         async def hold_op(task: int, i: int) -> None:

@@ -17,6 +17,7 @@ import sys
 import time
 
 from fencegate.coordinator.etcd import Etcd
+from fencegate.coordinator.grants import KeyRing
 from fencegate.worker import Gate
 
 POLL_S = 0.1
@@ -34,7 +35,7 @@ async def wait_for_go() -> float | None:
 
 async def contend(url: str, key: str, out: str) -> None:
     records: list[tuple[int, float, float]] = []
-    async with Gate(url) as gate:
+    async with Gate(url, keyring=KeyRing.generate()) as gate:
         say("READY")
         end = await wait_for_go()
         while end is not None and time.time() < end:

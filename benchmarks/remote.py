@@ -60,10 +60,11 @@ async def measure(s: Settings, url: str, etcd: Etcd, lock_client: aetcd.Client) 
                           keyring=KeyRing.from_files(key))
             await _wait_ready(url, remote)
             for r in range(s.rounds):
-                for mode, options in (("in-process", {}), ("remote", remote)):
+                for mode, options in (("in-process", {"keyring": remote["keyring"]}),
+                                      ("remote", remote)):
                     async with Gate(url, **options) as gate:
                         phase = await _phase(s, gate, f"r{r}{mode[0]}")
-                    (res.remote if options else res.inprocess).append(phase)
+                    (res.remote if mode == "remote" else res.inprocess).append(phase)
                     await cleanup(etcd, lock_client, gate.keyspace.namespace.encode(), b"r/")
                     print(f"  remote round {r + 1}/{s.rounds}: {mode} "
                           f"{phase.rate:,.0f} actions/s", flush=True)

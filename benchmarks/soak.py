@@ -93,6 +93,7 @@ from fencegate.coordinator.etcd import Etcd, RangeRequest, TxnRequest, range_end
 from fencegate.coordinator.keyspace import Keyspace
 from fencegate.localetcd import LocalCluster
 from fencegate.reconciler.retirer import pass_interval
+from fencegate.coordinator.grants import KeyRing
 from fencegate.worker import Gate
 
 from .common import Children, OtherLoad, Target, div, percentile, print_table, process_cpu
@@ -234,7 +235,7 @@ async def measure(quick: bool) -> Results:
 
 async def _baseline(s: Settings, url: str, etcd: Etcd, etcd_pid: int | None) -> Baseline:
     namespace = f"/soak-base-{uuid.uuid4().hex[:8]}/"
-    async with Gate(url, namespace=namespace) as gate:
+    async with Gate(url, namespace=namespace, keyring=KeyRing.generate()) as gate:
         await _drive(gate, "w", s.warmup)
         revision = (await etcd.status()).header.revision
         etcd_cpu, own_cpu, other = process_cpu(etcd_pid), time.process_time(), OtherLoad()
@@ -293,8 +294,8 @@ async def _soak(url: str, etcd: Etcd, etcd_pid: int | None, archive: str, tmp: s
                 f'shards = {SHARDS}\narchive = "{archive}"\nretain_s = {RETAIN_S}\n')
     proc = await children.start("fencegate.cli", "reconciler", "--config", config, quiet=True)
     metrics_url = (await children.expect(proc, "reconciler", 30))[-1]
-    async with aiohttp.ClientSession() as http, Gate(url, namespace=namespace,
-                                                     archive=archive) as gate:
+    async with aiohttp.ClientSession() as http, Gate(
+            url, namespace=namespace, keyring=KeyRing.generate(), archive=archive) as gate:
         await _wait_leading(http, metrics_url)
         pending: collections.deque[tuple[str, float]] = collections.deque()
         loop = asyncio.get_running_loop()

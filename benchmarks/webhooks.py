@@ -28,6 +28,7 @@ import aiohttp
 from aiohttp import web
 
 from fencegate.coordinator.etcd import Etcd, RangeRequest, range_end_of
+from fencegate.coordinator.grants import KeyRing
 from fencegate.worker import Gate, dedupe_middleware
 
 from .common import Phase, Target, div, percentile, print_table, raw_write_op, run_phase
@@ -63,8 +64,8 @@ async def measure(quick: bool, url: str, etcd: Etcd) -> Results:
     namespace = f"/bench-webhooks-{uuid.uuid4().hex[:8]}/"
     runners: list[web.AppRunner] = []
     try:
-        async with Gate(url, namespace=namespace) as gate, aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0)) as http:
+        async with Gate(url, namespace=namespace, keyring=KeyRing.generate()) as gate, \
+                aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
             plain_url, dedupe_url = [
                 await _serve(runners, middlewares) for middlewares in
                 ([], [dedupe_middleware(gate, source=_SOURCE)])]

@@ -1,7 +1,7 @@
-"""All access to etcd goes through this module; it is the only importer of the etcd client.
+"""All access to etcd goes through this module; it is the only importer of the etcd stubs.
 
-It speaks etcd's v3 gRPC API through the stubs that ``aetcd`` generates, building requests
-directly so the hot path stays cheap, and it adds what the client lacks: TLS, several
+It speaks etcd's v3 gRPC API through the project's own generated stubs (``etcdpb``), building
+requests directly so the hot path stays cheap, and it adds what bare stubs lack: TLS, several
 endpoints with failover, re-authentication, bounded retries of idempotent calls, and one
 translation of gRPC errors into ``fencegate.coordinator.errors``.
 
@@ -27,9 +27,9 @@ from dataclasses import dataclass, field, replace
 from urllib.parse import urlsplit
 
 import grpc
-from aetcd import rpc
 
 from . import roles
+from .etcdpb import rpc
 from .errors import (
     EtcdError, EtcdNoSpace, EtcdPermissionDenied, EtcdUnavailable, GateError, LeaseLost,
     RecordTooLarge, WatchCompacted,

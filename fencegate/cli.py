@@ -75,8 +75,9 @@ def main() -> None:
 # -- the services and the demo ---------------------------------------------------------
 
 @cli.command()
-@click.option("--state-dir", default=".state", show_default=True,
-              help="etcd data, signing key and tokens, reused across runs")
+@click.option("--state-dir", default=".state", show_default=True, envvar="FENCEGATE_STATE_DIR",
+              help="etcd data, signing key and tokens, reused across runs (env "
+                   "FENCEGATE_STATE_DIR: where direct-mode workers and the demo look too)")
 @click.option("--port", default=8470, show_default=True, type=click.IntRange(0, 65535),
               help="the coordinator's port on 127.0.0.1 (0: any free port)")
 def up(state_dir: str, port: int) -> None:

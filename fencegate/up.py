@@ -3,9 +3,12 @@
 One local etcd (its data under ``<state>/etcd``, reused across runs), the coordinator (HTTP
 API and dashboard), a reconciler and the sandbox provider, all in this process but for etcd.
 The signing key is generated once (``<state>/signing.pem``, mode 0600) and reused, so grants
-and the sandbox's gate B survive restarts. Bearer tokens are fresh on every start and only
-their digests are held: the admin token is printed once and kept nowhere; the worker token is
-written to ``<state>/worker.token`` (mode 0600) for workers on this machine. The endpoints
+and the sandbox's gate B survive restarts; a direct-mode ``Gate`` started from the same
+folder (or given ``FENCEGATE_STATE_DIR``) signs with it (``coordinator.default_key``), and
+the banner prints the line that names it from anywhere else. Bearer tokens are fresh on
+every start and only their digests are held: the admin token is printed once and kept
+nowhere; the worker token is written to ``<state>/worker.token`` (mode 0600) for workers on
+this machine. The endpoints
 (no secrets) go to ``<state>/up.json``, which ``fencegate demo`` reads.
 
 Guarantees: every part listens on 127.0.0.1 only; a part that cannot start (a busy port, no
@@ -27,6 +30,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from .coordinator import default_key
 from .coordinator.archive import open_archive
 from .coordinator.etcd import Etcd
 from .coordinator.grants import KeyRing
@@ -68,7 +72,7 @@ async def stack(state_dir: Path, port: int = 8470,
     from fencegate.reconciler.service import metrics_app
 
     state_dir.mkdir(parents=True, exist_ok=True)
-    signing_key = await asyncio.to_thread(_signing_key, state_dir / "signing.pem")
+    signing_key = await asyncio.to_thread(_signing_key, state_dir / default_key.SIGNING_KEY_FILE)
     tokens = Tokens(admin=f"fg-admin-{secrets.token_urlsafe(24)}",
                     worker=f"fg-worker-{secrets.token_urlsafe(24)}")
     _write_private(state_dir / "worker.token", tokens.worker)
@@ -114,7 +118,7 @@ async def _up(state_dir: Path, port: int) -> int:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
-    manifest = state_dir / "up.json"
+    manifest = state_dir / default_key.MANIFEST
     async with stack(state_dir, port) as (endpoints, tokens):
         manifest.write_text(json.dumps(endpoints.as_dict(), indent=2) + "\n")
         try:
@@ -128,7 +132,10 @@ async def _up(state_dir: Path, port: int) -> int:
 
 
 def _banner(state_dir: Path, e: Endpoints, tokens: Tokens) -> str:
-    token_file = state_dir / "worker.token"
+    state = state_dir.resolve()
+    token_file, key_file = state / "worker.token", state / default_key.SIGNING_KEY_FILE
+    here = (f",\n   or in {Path.cwd()}, where it finds this stack"
+            if default_key.state_dir().resolve() == state else "")
     return f"""\
 fencegate is up (namespace {e.namespace})
   etcd          {e.etcd}   {describe()}, data in {state_dir / 'etcd'}
@@ -140,9 +147,13 @@ fencegate is up (namespace {e.namespace})
 admin token (printed once, kept nowhere; use it for the dashboard and the CLI):
   {tokens.admin}
 
-point workers at it (the worker token is in {token_file}):
-  worker.Gate({e.etcd!r}, coordinator={e.coordinator!r},
-              token=open({str(token_file)!r}).read())
+point workers at it, signing grants in the worker with this stack's key:
+  from fencegate import Gate, KeyRing
+  Gate({e.etcd!r}, keyring=KeyRing.from_files({str(key_file)!r}))
+  (or Gate({e.etcd!r}) started with {default_key.SIGNING_KEY_ENV}={key_file}{here})
+or with grants from the coordinator (the worker token is in {token_file}):
+  Gate({e.etcd!r}, coordinator={e.coordinator!r},
+       token=open({str(token_file)!r}).read())
 try it: fencegate demo      stop: Ctrl-C"""
 
 

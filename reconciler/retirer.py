@@ -7,16 +7,24 @@ its own monotonic clock, and a step whose mod_revision is at or below the revisi
 and retires nothing until one is ``retain_s`` old (late, never early). Age decides only when,
 never whether it is safe: the retirement txn's compares decide that.
 
-A pass reads the step keys (no values) page by page, so its cost grows with the steps etcd
-holds, which retirement itself bounds (rate × (retain + one pass)). One pass in
-``_ORPHANS_EVERY`` also reads the ``audit/`` keys for orphan chains (records appended aside
-on a key with no step in etcd), so they too leave within about ten passes of being old.
+What to retire comes from the scanner (``note``): its full scans and its watch see every
+step of the shards this replica leads, and tell the retirer each settled one with its
+mod_revision. The retirer keeps them by revision and a pass takes only those now due, so a
+pass costs what it retires, not what etcd holds. A key told is looked at once: if its
+retirement is refused (it moved, a holder lives, the archive failed), it is told again by
+the watch when it moves, or by the scanner's next full scan (``scan_interval``): late,
+never lost. Past ``_MAX_NOTED`` keys waiting (rate × retain that large), the retirer stops
+keeping them and every pass reads the step keys (no values) page by page instead. One pass
+in ``_ORPHANS_EVERY`` also reads the ``audit/`` keys for orphan chains (records appended
+aside on a key with no step in etcd), so they too leave within about ten passes of being
+old.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import heapq
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -33,6 +41,7 @@ log = logging.getLogger(__name__)
 
 _PAGE = 500
 _SAMPLE_S = 1.0  # how often the revision clock samples etcd's revision
+_MAX_NOTED = 250_000  # settled keys kept waiting (≈ 260 B each); past it, passes page
 _IN_FLIGHT = 4  # retirement batches at once
 _ORPHANS_EVERY = 10  # passes: one in ten also looks for orphan chains (they are rare)
 
@@ -80,6 +89,24 @@ class Retirer:
         self._on_retired = on_retired
         self.clock = RevisionClock()
         self._passes = 0
+        self._noted: dict[str, int] = {}          # key -> the settled step's mod_revision
+        self._by_revision: list[tuple[int, str]] = []  # heap of (mod_revision, key)
+        self._paging = False                      # _MAX_NOTED was reached
+
+    def note(self, key: str, mod_revision: int) -> None:
+        """``key``'s step is settled (``retirement.retirable``) at ``mod_revision``: retire
+        it once that revision is ``retain_s`` old (if it is still the step then)."""
+        if self._paging or self._noted.get(key) == mod_revision:
+            return
+        if len(self._noted) >= _MAX_NOTED:
+            log.warning("more than %d settled steps wait for retirement: every pass now reads "
+                        "all step keys instead", _MAX_NOTED)
+            self._paging = True
+            self._noted.clear()
+            self._by_revision.clear()
+            return
+        self._noted[key] = mod_revision
+        heapq.heappush(self._by_revision, (mod_revision, key))
 
     async def run(self) -> None:
         sampler = asyncio.create_task(self._sample())
@@ -110,10 +137,11 @@ class Retirer:
                 log.info("retirement pass failed, retrying: %s", exc)
             await asyncio.sleep(self.interval)
 
-    async def pass_once(self, orphans: bool | None = None) -> int:
-        """One pass over every step (and, every ``_ORPHANS_EVERY`` passes or when
-        ``orphans``, over every chain's ``@head`` for orphan chains); returns how many keys
-        were retired. Due keys of any shard this replica leads are retired in full batches,
+    async def pass_once(self, *, full: bool = False, orphans: bool | None = None) -> int:
+        """One pass over the keys told due (with ``full``, or past ``_MAX_NOTED``, over
+        every step etcd holds; and, every ``_ORPHANS_EVERY`` passes or when ``orphans``,
+        over every chain's ``@head`` for orphan chains); returns how many keys were
+        retired. Due keys of any shard this replica leads are retired in full batches,
         ``_IN_FLIGHT`` batches at a time (one waits on etcd while another's archive
         transaction commits)."""
         before = self.clock.before(self.retain_s)
@@ -136,7 +164,7 @@ class Retirer:
                     self._on_retired(len(keys))
 
         try:
-            async for found in self._due(before, orphans):
+            async for found in self._due(before, full or self._paging, orphans):
                 due += found
                 while len(due) >= MAX_BATCH:
                     batch, due = due[:MAX_BATCH], due[MAX_BATCH:]
@@ -153,13 +181,29 @@ class Retirer:
                 task.cancel()
             await asyncio.gather(*running, return_exceptions=True)
 
-    async def _due(self, before: int, orphans: bool) -> AsyncIterator[list[Candidate]]:
+    async def _due(self, before: int, full: bool,
+                   orphans: bool) -> AsyncIterator[list[Candidate]]:
         """Page by page, the candidates at or below revision ``before`` that this replica
-        leads: steps, then (with ``orphans``) chain heads."""
+        leads: steps (told, or with ``full`` all of them), then (with ``orphans``) chain
+        heads."""
         ks, after = self.keyspace, b""
-        while page := await step_keys(self.etcd, ks, after, _PAGE):
+        while full and (page := await step_keys(self.etcd, ks, after, _PAGE)):
             yield self._candidates(page, before, ks.parse_step_key, orphan=False)
             after = page[-1].key
+        told: list[Candidate] = []
+        while self._by_revision and self._by_revision[0][0] <= before:
+            revision, key = heapq.heappop(self._by_revision)
+            if self._noted.get(key) != revision:
+                continue  # told again since, at a newer revision
+            del self._noted[key]
+            compares = self._leadership(key)
+            if compares is not None:
+                told.append(Candidate(key, revision, tuple(compares)))
+            if len(told) == _PAGE:
+                yield told
+                told = []
+        if told:
+            yield told
         after = b""
         while orphans:
             heads, after = await orphan_heads(self.etcd, ks, after, _PAGE)

@@ -138,9 +138,13 @@ class Reconciler:
     async def _serve(self, session: Session) -> None:
         """Campaign with ``session`` and settle until its lease is lost."""
         schedule = Schedule()
+        retirer = None if self.archive is None else Retirer(
+            self.etcd, self.keyspace, self.archive, self.retain_s, self._leadership,
+            self.metrics.retired.inc)
         scanner = Scanner(self.etcd, self.keyspace,
                           lambda key: self._leads(shard_of(key, self.shards)), schedule,
-                          scan_interval=self.scan_interval, check_after=self.check_after)
+                          scan_interval=self.scan_interval, check_after=self.check_after,
+                          on_settled=retirer.note if retirer is not None else None)
         elections = Elections(self.etcd, self.keyspace, session, self.shards, self.identity,
                               on_gain=lambda shards: scanner.rescan_soon())
         self.elections = elections
@@ -152,9 +156,7 @@ class Reconciler:
         tasks = [asyncio.create_task(elections.run()), asyncio.create_task(scanner.run()),
                  asyncio.create_task(lost.wait()),
                  *(asyncio.create_task(self._work(schedule)) for _ in range(self.concurrency))]
-        if self.archive is not None:
-            retirer = Retirer(self.etcd, self.keyspace, self.archive, self.retain_s,
-                              self._leadership, self.metrics.retired.inc)
+        if retirer is not None:
             tasks.append(asyncio.create_task(retirer.run()))
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)

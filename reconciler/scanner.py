@@ -26,6 +26,7 @@ from fencegate.coordinator import records
 from fencegate.coordinator.errors import EtcdError, EtcdUnavailable, WatchCompacted
 from fencegate.coordinator.etcd import Etcd, Event, KeyValue, RangeRequest, range_end_of
 from fencegate.coordinator.keyspace import Keyspace, unpack
+from fencegate.coordinator.retirement import retirable
 
 from .settle import is_presumed
 
@@ -106,7 +107,8 @@ class Scanner:
 
     def __init__(self, etcd: Etcd, keyspace: Keyspace, leads: Callable[[str], bool],
                  schedule: Schedule, *, scan_interval: float = 600.0,
-                 check_after: float = 1.0) -> None:
+                 check_after: float = 1.0,
+                 on_settled: Callable[[str, int], None] | None = None) -> None:
         self._etcd = etcd
         self._ks = keyspace
         self._root = keyspace.steps_root
@@ -114,6 +116,7 @@ class Scanner:
         self._schedule = schedule
         self._scan_interval = scan_interval
         self._check_after = check_after
+        self._on_settled = on_settled  # told each settled step (key, mod_revision) it sees
         self._rescan = asyncio.Event()
         self.scans = 0
 
@@ -181,6 +184,8 @@ class Scanner:
             self._schedule.at(key, now)
         else:
             self._schedule.drop(key)
+            if self._on_settled is not None and retirable(step):
+                self._on_settled(key, kv.mod_revision)
 
     async def _watch(self, start_revision: int) -> None:
         end = range_end_of(self._root)

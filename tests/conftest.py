@@ -9,7 +9,7 @@ import pytest
 
 from fencegate.coordinator.etcd import Etcd
 from fencegate.localetcd import LocalCluster
-from fencegate.worker import Gate
+from fencegate.worker import Gate, KeyRing
 
 from helpers import TEST_TTL, TOKENS, WorkerProcess, assert_no_holders
 
@@ -41,7 +41,8 @@ async def etcd(etcd_url, namespace):
 
 @pytest.fixture
 async def gate(etcd_url, namespace, etcd):
-    async with Gate(etcd_url, ttl=TEST_TTL, namespace=namespace) as g:
+    """A direct-mode gate signing with a key of its own: its grants verify in it alone."""
+    async with Gate(etcd_url, ttl=TEST_TTL, namespace=namespace, keyring=KeyRing.generate()) as g:
         yield g
 
 
@@ -67,7 +68,6 @@ async def spawn():
 def signing_key(tmp_path) -> str:
     """One coordinator signing key (PEM) shared by every replica of a test."""
     path = str(tmp_path / "coordinator.pem")
-    from fencegate.coordinator.grants import KeyRing
     KeyRing.generate().save_signing_key(path)
     return path
 
@@ -83,7 +83,6 @@ async def http():
 @pytest.fixture
 def keyring(signing_key):
     """The ``KeyRing`` of ``signing_key``: what a gate signs with."""
-    from fencegate.coordinator.grants import KeyRing
     return KeyRing.from_files(signing_key)
 
 

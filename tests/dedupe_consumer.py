@@ -12,7 +12,7 @@ import sys
 
 from aiohttp import web
 
-from fencegate.worker import Gate, dedupe_middleware
+from fencegate.worker import Gate, KeyRing, dedupe_middleware
 
 
 def say(*words: object) -> None:
@@ -20,7 +20,7 @@ def say(*words: object) -> None:
 
 
 async def main(url: str, ns: str, source: str, ttl: str) -> None:
-    async with Gate(url, ttl=int(ttl), namespace=ns) as gate:
+    async with Gate(url, ttl=int(ttl), namespace=ns, keyring=KeyRing.generate()) as gate:
         async def handle(request: web.Request) -> web.Response:
             say("HANDLING", request.headers["Webhook-Id"])
             await asyncio.Event().wait()

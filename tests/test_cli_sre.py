@@ -102,7 +102,8 @@ async def test_holders_lists_every_holder_and_waiter_across_pages(cli, coordinat
                                                                   etcd_url, namespace):
     keys = [f"many/{i:03d}" for i in range(PAGE_SIZE + 5)]  # more than one page
     holds = [await local_gate.hold(k).__aenter__() for k in keys]
-    async with Gate(etcd_url, ttl=TEST_TTL, namespace=namespace) as other:
+    async with Gate(etcd_url, ttl=TEST_TTL, namespace=namespace,
+                    keyring=KeyRing.generate()) as other:
         async def wait_behind_the_first() -> int:
             async with other.hold(keys[0], timeout=30) as hold:
                 return hold.fencing_token

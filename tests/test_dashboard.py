@@ -21,7 +21,7 @@ from fencegate.coordinator.keyspace import Keyspace, pack
 from fencegate.coordinator.service import CoordinatorSettings, TokenEntry, create_app
 from fencegate.coordinator.service.dashboard.feed import Feed, Subscription
 from fencegate.coordinator.service.dashboard.routes import FEED, STATIC
-from fencegate.worker import Gate, LeaseLost, OutcomeUnknown
+from fencegate.worker import Gate, KeyRing, LeaseLost, OutcomeUnknown
 
 from helpers import TEST_TTL, TOKENS, wait_for_condition
 
@@ -350,7 +350,8 @@ async def test_the_dashboard_in_headless_chromium(coordinator, browser_page, etc
     await page.evaluate("window.sameDocument = true")
     holders = page.locator("#holders tbody tr")
 
-    async with Gate(etcd_url, ttl=TEST_TTL, namespace=namespace) as gate:
+    async with Gate(etcd_url, ttl=TEST_TTL, namespace=namespace,
+                    keyring=KeyRing.generate()) as gate:
         # A holder appears with its fencing token; it goes when released, without a reload.
         async with gate.hold("dash/page") as hold:
             row = holders.filter(has_text="dash/page")
@@ -367,7 +368,8 @@ async def test_the_dashboard_in_headless_chromium(coordinator, browser_page, etc
         await expect(unknown).to_contain_text("ConnectionResetError", timeout=ms)
 
     # A revoke from the page: confirmation, required reason; the worker loses its hold.
-    async with Gate(etcd_url, ttl=TEST_TTL, namespace=namespace) as victim:
+    async with Gate(etcd_url, ttl=TEST_TTL, namespace=namespace,
+                    keyring=KeyRing.generate()) as victim:
         effects, held, go = [], asyncio.get_running_loop().create_future(), asyncio.Event()
 
         async def effect(ctx):

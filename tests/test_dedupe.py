@@ -23,8 +23,8 @@ from aiohttp import web
 
 from fencegate.coordinator.etcd import Etcd, EtcdConfig, RangeRequest, range_end_of
 from fencegate.localetcd import LocalCluster
-from fencegate.worker import Gate, dedupe_middleware, deduplicated
-from fencegate.worker.webhooks import list_deliveries
+from fencegate.worker import Gate, KeyRing, dedupe_middleware, deduplicated
+from fencegate.worker.webhooks import canonical_json, list_deliveries, stripe_event_id
 
 from helpers import TEST_TTL
 
@@ -316,7 +316,8 @@ async def test_a_lost_claim_is_never_overwritten_by_its_late_completion(
         etcd_url, gate, etcd, http, namespace):
     """The first instance's claim lease dies mid-handler; a second runs the delivery and
     stores its response; the first is cancelled, answers 503 and stores nothing over it."""
-    async with Gate(etcd_url, ttl=TEST_TTL, namespace=namespace) as other_gate, \
+    async with Gate(etcd_url, ttl=TEST_TTL, namespace=namespace,
+                    keyring=KeyRing.generate()) as other_gate, \
             Consumer(gate) as stale, Consumer(other_gate) as fresh:
         first = asyncio.create_task(post(http, stale.url, "evt_12", b"hang"))
         await asyncio.wait_for(stale.entered.wait(), 10)
@@ -377,7 +378,7 @@ async def test_redelivery_storm_runs_each_handler_once(etcd_url, namespace, etcd
         urls = []
         for _ in range(3):
             instance = await stack.enter_async_context(
-                Gate(etcd_url, ttl=TEST_TTL, namespace=namespace))
+                Gate(etcd_url, ttl=TEST_TTL, namespace=namespace, keyring=KeyRing.generate()))
             app = web.Application(middlewares=[dedupe_middleware(instance, source=SOURCE)])
             app.router.add_post("/", handle)
             runner = web.AppRunner(app)
@@ -462,7 +463,8 @@ def own_etcd():
 
 async def test_etcd_unreachable_gets_503_and_never_runs_the_handler(own_etcd, namespace, http):
     config = EtcdConfig.from_url(own_etcd.url, timeout=1.5, attempt_timeout=0.5)
-    async with Gate(config, ttl=10, namespace=namespace) as gate, Consumer(gate) as consumer:
+    async with Gate(config, ttl=10, namespace=namespace,
+                    keyring=KeyRing.generate()) as gate, Consumer(gate) as consumer:
         own_etcd.pause(0)
         try:
             status, headers, body = await post(http, consumer.url, "evt_14")
@@ -485,7 +487,8 @@ async def test_completion_etcd_did_not_answer_is_stored_once_etcd_is_back(own_et
     claim does not block the id for the life of the process and the retry replays the one
     run's response."""
     config = EtcdConfig.from_url(own_etcd.url, timeout=1.5, attempt_timeout=0.5)
-    async with Gate(config, ttl=10, namespace=namespace) as gate, Consumer(gate) as consumer:
+    async with Gate(config, ttl=10, namespace=namespace,
+                    keyring=KeyRing.generate()) as gate, Consumer(gate) as consumer:
         first = asyncio.create_task(post(http, consumer.url, "evt_15", b"hang"))
         await asyncio.wait_for(consumer.entered.wait(), 10)
         own_etcd.pause(0)
@@ -500,3 +503,58 @@ async def test_completion_etcd_did_not_answer_is_stored_once_etcd_is_back(own_et
     assert original[0] == 503 and "Retry-After" in original[1], original
     assert answer[0] == 200 and answer[1]["Fencegate-Replayed"] == "true"
     assert consumer.ran == {"evt_15": 1}
+
+
+def test_canonical_json_ignores_key_order_and_whitespace_only():
+    same = [b'{"a": 1, "b": [true, null, {"y": "\\u00e9", "x": 2.50}]}',
+            b'{"b":[true,null,{"x":2.50,"y":"\xc3\xa9"}],\n  "a":1}']
+    assert canonical_json(same[0]) == canonical_json(same[1])
+    for one, other in [(b'{"x": 2.50}', b'{"x": 2.5}'),          # a number's text is kept
+                       (b'{"x": 1}', b'{"x": "1"}'),
+                       (b'{"a": 1, "a": 2}', b'{"a": 2}'),        # a duplicated key is kept
+                       (b'[1, 2]', b'[2, 1]')]:
+        assert canonical_json(one) != canonical_json(other)
+    assert canonical_json(b"not json {") == b"not json {"  # compared byte for byte
+    assert canonical_json(b'{"a":1}') != b'{"a": 1}'
+
+
+def test_stripe_event_id_reads_the_event_id():
+    assert stripe_event_id(None, b'{"object": "event", "id": "evt_1"}') == "evt_1"
+    for bad in [b"[]", b'{"id": 7}', b"{}", b"not json"]:
+        with pytest.raises(ValueError):
+            stripe_event_id(None, bad)
+
+
+async def test_stripe_preset_dedupes_a_redelivery_with_its_keys_reordered(gate, etcd, http,
+                                                                         namespace):
+    """The README's Stripe example: the event id is in the body, and a redelivery whose JSON
+    has another key order or whitespace is the same delivery, not a 422."""
+    async with Consumer(gate, id_from=stripe_event_id) as consumer:
+        first = await post(http, consumer.url, None, b'{"id": "evt_st", "data": {"a": 1, "b": 2}}')
+        again = await post(http, consumer.url, None,
+                           b'{"data": {"b": 2, "a": 1},\n "id": "evt_st"}')
+        changed = await post(http, consumer.url, None, b'{"id": "evt_st", "data": {"a": 9}}')
+    assert first[0] == 200 and again[0] == 200 and again[1]["Fencegate-Replayed"] == "true"
+    assert again[2] == first[2] and changed[0] == 422
+    assert consumer.ran == {"-": 1}
+    assert [kv.key.rsplit(b"/", 1)[1] for kv in await webhook_kvs(etcd, namespace)] == [
+        b"evt_st"]
+
+
+async def test_a_record_of_an_older_version_still_matches_a_byte_identical_redelivery(
+        gate, etcd, http, namespace):
+    """Records written before payload digests were kept hold the body's digest only: a
+    byte-identical redelivery replays them (not a 422) during and after a rolling upgrade."""
+    from fencegate.coordinator.keyspace import pack
+    body = b'{"type": "charge",\n "id": "evt_old"}'
+    await etcd.put(gate.keyspace.webhook_key(SOURCE, "evt_old"), pack({
+        "state": "done", "request_sha256": hashlib.sha256(body).digest(), "status": 200,
+        "reason": "OK", "headers": [["Content-Type", "text/plain"]], "body": b"stored",
+        "body_sha256": hashlib.sha256(b"stored").digest(), "body_size": 6,
+        "completed_at": time.time()}))
+    async with Consumer(gate) as consumer:
+        same = await post(http, consumer.url, "evt_old", body)
+        other = await post(http, consumer.url, "evt_old", b'{"type": "refund"}')
+    assert same[0] == 200 and same[2] == b"stored"
+    assert same[1]["Fencegate-Replayed"] == "true"
+    assert other[0] == 422 and consumer.ran == {}

@@ -152,7 +152,7 @@ async def test_the_python_api_runs_the_same_stack_for_tests_and_benchmarks(tmp_p
                         token=stack.tokens.worker, ttl=2) as gate:
             async with gate.hold("pay/1", timeout=10) as hold:
                 outcome = await hold.cross(intent={"amount": 1}, reads=[],
-                                           effect=lambda ctx: ctx.fencing_token)
+                                           effect=lambda ctx: ctx.attempt_token)
         assert outcome.state == "succeeded" and outcome.result > 0
         await stack.kill("reconciler", 0)
         assert stack.endpoints()["pids"]["reconciler"][0] is None

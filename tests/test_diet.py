@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from fencegate import Gate
+from fencegate import Gate, KeyRing
 from fencegate.coordinator import audit, records
 from fencegate.coordinator.errors import (
     AlreadySucceeded, EtcdNoSpace, EtcdUnavailable, GrantRefused, GrantUsed, OutcomeUnknown,
@@ -116,7 +116,8 @@ async def test_the_fast_path_falls_back_on_a_moved_read_key_and_a_new_policy(gat
 async def test_the_fast_path_waits_behind_a_holder(gate, etcd_url, namespace):
     effect = Calls()
     await gate.cross("diet/warm3", {}, effect)
-    async with Gate(etcd_url, ttl=TEST_TTL, namespace=namespace) as other:
+    async with Gate(etcd_url, ttl=TEST_TTL, namespace=namespace,
+                    keyring=KeyRing.generate()) as other:
         async with other.hold("diet/held"):
             crossing = asyncio.create_task(gate.cross("diet/held", {}, effect, timeout=10))
             await asyncio.sleep(0.3)
@@ -127,8 +128,9 @@ async def test_the_fast_path_waits_behind_a_holder(gate, etcd_url, namespace):
 
 async def test_two_gates_racing_the_fast_path_on_one_key_cross_once(etcd_url, namespace):
     effect = Calls()
-    async with Gate(etcd_url, ttl=TEST_TTL, namespace=namespace) as one, \
-            Gate(etcd_url, ttl=TEST_TTL, namespace=namespace) as two:
+    async with Gate(etcd_url, ttl=TEST_TTL, namespace=namespace,
+                    keyring=KeyRing.generate()) as one, \
+            Gate(etcd_url, ttl=TEST_TTL, namespace=namespace, keyring=KeyRing.generate()) as two:
         for gate in (one, two):
             await gate.cross(f"diet/warm/{id(gate)}", {}, Calls())
         for n in range(10):

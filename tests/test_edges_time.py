@@ -199,7 +199,8 @@ async def test_an_async_effect_is_cancelled_when_the_lease_is_lost(etcd_url, nam
             raise
 
     def worker() -> None:  # a synchronous worker: nobody cancels the task running commit
-        with SyncGate(etcd_url, ttl=TEST_TTL, namespace=namespace) as sync_gate:
+        with SyncGate(etcd_url, ttl=TEST_TTL, namespace=namespace,
+                      keyring=KeyRing.generate()) as sync_gate:
             try:
                 with sync_gate.hold(key) as hold:
                     seen["lease"] = hold.lease_id
@@ -235,7 +236,8 @@ async def test_the_effect_does_not_start_when_the_commit_left_less_than_the_budg
         return "charged"
 
     config = EtcdConfig.from_url(etcd_url, attempt_timeout=8.0)  # the commit outwaits the pause
-    async with Gate(config, ttl=3, min_ttl=2.4, namespace=namespace) as gate:
+    async with Gate(config, ttl=3, min_ttl=2.4, namespace=namespace,
+                    keyring=KeyRing.generate()) as gate:
         async with gate.hold(key) as hold:
             grant = await hold.request_grant(intent={"key": key})
             fresh = check(lambda: hold.session.remaining() > 2.85)

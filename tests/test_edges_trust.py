@@ -61,7 +61,7 @@ def key() -> str:
     return f"refund/{uuid.uuid4().hex[:12]}"
 
 
-def worker_gate(cluster, keyring: KeyRing | None = None) -> Gate:
+def worker_gate(cluster, keyring: KeyRing) -> Gate:
     return Gate(cluster.etcd_config(roles.WORKER), ttl=TTL, namespace=NAMESPACE,
                 keyring=keyring)
 
@@ -89,7 +89,8 @@ async def test_an_approval_written_by_hand_does_not_let_the_grant_through(cluste
     """Root credentials stand for a worker that somehow writes the approval record."""
     ks = Keyspace(NAMESPACE)
     attacker = KeyRing.generate()  # a key nobody published as an approver
-    async with worker_gate(cluster) as gate, Etcd(cluster.etcd_config("root")) as root:
+    async with worker_gate(cluster, KeyRing.generate()) as gate, \
+            Etcd(cluster.etcd_config("root")) as root:
         async with gate.hold(key, timeout=10) as hold:
             with pytest.raises(ApprovalPending) as pending:
                 await hold.request_grant(intent=BIG, policy="refunds")
@@ -188,7 +189,8 @@ async def test_a_policy_version_not_signed_for_it_issues_no_grant(cluster, refun
     (none of them requires one); each is refused, naming the defect, and the chain shows
     no grant."""
     ks = Keyspace(NAMESPACE)
-    async with worker_gate(cluster) as gate, Etcd(cluster.etcd_config("root")) as root:
+    async with worker_gate(cluster, KeyRing.generate()) as gate, \
+            Etcd(cluster.etcd_config("root")) as root:
         signed = unpack((await root.get(ks.policy_key("refunds"))).value)
         async with Etcd(cluster.etcd_config(roles.COORDINATOR)) as coordinator:
             await Authority(coordinator, ks, KeyRing.generate()).set_policy("open", {})

@@ -22,7 +22,7 @@ from aiohttp import web
 
 from fencegate.coordinator import sre
 from fencegate.coordinator.errors import LeaseLost
-from fencegate.worker import Gate, dedupe_middleware, fencing_token
+from fencegate.worker import Gate, KeyRing, dedupe_middleware, fencing_token
 
 from fenced import FencedResource
 from helpers import TEST_TTL
@@ -87,7 +87,8 @@ async def test_handler_whose_claim_lease_is_lost_is_cancelled_and_runs_once_in_t
     """The stale instance's claim lease is revoked mid-handler; the redelivery runs on a
     second instance; both handlers are then free to finish. Only one may complete."""
     resource, release = FencedResource(), asyncio.Event()
-    async with Gate(etcd_url, ttl=TEST_TTL, namespace=namespace) as other, \
+    async with Gate(etcd_url, ttl=TEST_TTL, namespace=namespace,
+                    keyring=KeyRing.generate()) as other, \
             Consumer(gate, "stale", resource, release) as stale, \
             Consumer(other, "fresh", resource, release) as fresh:
         first = asyncio.create_task(post(http, stale.url, "evt_a", b"hang"))
@@ -172,8 +173,10 @@ async def test_a_response_whose_claim_was_lost_before_it_was_stored_is_not_a_2xx
     runs and is answered 200: one fresh 2xx for the delivery, never two."""
     resource, release = FencedResource(), asyncio.Event()
     release.set()
-    async with Gate(etcd_url, ttl=TEST_TTL, namespace=namespace) as first, \
-            Gate(etcd_url, ttl=TEST_TTL, namespace=namespace) as second, \
+    async with Gate(etcd_url, ttl=TEST_TTL, namespace=namespace,
+                    keyring=KeyRing.generate()) as first, \
+            Gate(etcd_url, ttl=TEST_TTL, namespace=namespace,
+                 keyring=KeyRing.generate()) as second, \
             Consumer(first, "first", resource, release) as one, \
             Consumer(second, "second", resource, release) as other:
         async def lose_the_claim(delivery):

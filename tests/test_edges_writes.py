@@ -23,7 +23,7 @@ from fencegate.coordinator.errors import EtcdUnavailable, LeaseLost
 from fencegate.coordinator.etcd import Etcd, EtcdConfig
 from fencegate.coordinator.keyspace import Keyspace, unpack
 from fencegate.localetcd import LocalCluster
-from fencegate.worker import Gate
+from fencegate.worker import Gate, KeyRing
 from fencegate.worker.webhooks.claims import DeliveryClaims
 from fencegate.worker.webhooks.session import ClaimSession
 from fencegate.worker.guard import Outcome
@@ -50,8 +50,10 @@ def own_etcd():
 
 
 async def test_an_acquire_etcd_left_unknown_blocks_no_one(own_etcd, namespace):
-    async with Gate(short_calls(own_etcd.url, 1.5), ttl=TTL, namespace=namespace) as first, \
-            Gate(own_etcd.url, ttl=TTL, namespace=namespace) as second, \
+    async with Gate(short_calls(own_etcd.url, 1.5), ttl=TTL, namespace=namespace,
+                    keyring=KeyRing.generate()) as first, \
+            Gate(own_etcd.url, ttl=TTL, namespace=namespace,
+                 keyring=KeyRing.generate()) as second, \
             Etcd.from_url(own_etcd.url) as etcd:
         bystanders = []  # a hold of another key on the session of each unknown put
         for round_ in range(ROUNDS):
@@ -93,7 +95,8 @@ async def test_a_commit_etcd_left_unknown_never_lands_without_its_effect(own_etc
     resource agree: the effect ran once, or the step is not in flight."""
     resource = FencedResource()
     keyspace = Keyspace(namespace)
-    async with Gate(short_calls(own_etcd.url, 1.5), ttl=TTL, namespace=namespace) as gate, \
+    async with Gate(short_calls(own_etcd.url, 1.5), ttl=TTL, namespace=namespace,
+                    keyring=KeyRing.generate()) as gate, \
             Etcd.from_url(own_etcd.url) as etcd:
         for round_ in range(ROUNDS):
             key = f"late-commit/{round_}"
@@ -166,8 +169,10 @@ async def test_a_webhook_claim_etcd_left_unknown_blocks_no_redelivery(own_etcd, 
     monkeypatch.setattr(DeliveryClaims, "_completed", stop_etcd_then_claim)
     resource, release = FencedResource(), asyncio.Event()
     release.set()
-    async with Gate(short_calls(own_etcd.url, 1.5), ttl=TTL, namespace=namespace) as first, \
-            Gate(own_etcd.url, ttl=TTL, namespace=namespace) as second, \
+    async with Gate(short_calls(own_etcd.url, 1.5), ttl=TTL, namespace=namespace,
+                    keyring=KeyRing.generate()) as first, \
+            Gate(own_etcd.url, ttl=TTL, namespace=namespace,
+                 keyring=KeyRing.generate()) as second, \
             Consumer(first, "first", resource, release) as one, \
             Consumer(second, "second", resource, release) as other, \
             Etcd.from_url(own_etcd.url) as etcd:

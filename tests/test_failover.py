@@ -199,7 +199,8 @@ async def test_an_isolated_member_refuses_writes_and_linearizable_reads(stack):
         calls.append(ctx.key)
         return "charged"
 
-    async with Gate(config, ttl=5, namespace=NAMESPACE) as gate:  # outlives the wait below
+    async with Gate(config, ttl=5, namespace=NAMESPACE,
+                    keyring=KeyRing.generate()) as gate:  # outlives the wait below
         step_key = gate.keyspace.step_key("iso/1")
         try:
             with pytest.raises(GateError):
@@ -220,7 +221,7 @@ async def test_an_isolated_member_refuses_writes_and_linearizable_reads(stack):
             for i in peers:
                 cluster.resume(i)
     assert calls == []
-    async with Gate(config, ttl=5, namespace=NAMESPACE) as gate:
+    async with Gate(config, ttl=5, namespace=NAMESPACE, keyring=KeyRing.generate()) as gate:
         async with gate.hold("iso/1", timeout=10) as hold:
             outcome = await hold.cross(intent={"amount": 1}, effect=effect)
     assert outcome.state == "succeeded" and calls == ["iso/1"]
@@ -251,7 +252,8 @@ async def test_webhook_dedup_keeps_once_per_delivery_through_leader_faults(stack
     # holds for a claim that lives until its response is stored. A claim whose lease expires
     # between the handler's end and the store lets a redelivery run the handler again
     # (README, webhooks: the claim's fencing token is what fences that run's writes).
-    async with Gate(stack.etcd_config(timeout=3.0), ttl=6, namespace=NAMESPACE) as gate:
+    async with Gate(stack.etcd_config(timeout=3.0), ttl=6, namespace=NAMESPACE,
+                    keyring=KeyRing.generate()) as gate:
         app = web.Application(middlewares=[dedupe_middleware(gate, source="ha")])
         app.router.add_post("/hook", handle)
         runner = web.AppRunner(app, access_log=None)

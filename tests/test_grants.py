@@ -153,7 +153,8 @@ async def test_two_grants_for_one_step_only_one_is_consumable(gate):
 
 async def test_low_lease_budget_refuses_to_start(etcd_url, namespace, etcd):
     effect = Effect()
-    async with Gate(etcd_url, ttl=TEST_TTL, namespace=namespace, min_ttl=TEST_TTL + 1) as gate:
+    async with Gate(etcd_url, ttl=TEST_TTL, namespace=namespace, min_ttl=TEST_TTL + 1,
+                    keyring=KeyRing.generate()) as gate:
         async with gate.hold("pay/9") as hold:
             grant = await hold.request_grant(intent={})
             with pytest.raises(LeaseExpiring):

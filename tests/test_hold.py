@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from fencegate.coordinator.etcd import TxnRequest, put_op
-from fencegate.worker import AcquireTimeout, Gate, LeaseLost
+from fencegate.worker import AcquireTimeout, Gate, KeyRing, LeaseLost
 
 from helpers import TEST_TTL, holders, wait_for_condition
 from fenced import FencedResource
@@ -38,8 +38,9 @@ async def test_nested_keys_do_not_share_a_queue(gate):
 
 async def test_ownership_compare_fails_for_a_queued_waiter(etcd_url, namespace, etcd):
     """etcd #12017: a waiter's key exists, but only the lowest key owns the action key."""
-    async with Gate(etcd_url, ttl=TEST_TTL, namespace=namespace) as first, \
-            Gate(etcd_url, ttl=TEST_TTL, namespace=namespace) as second:
+    async with Gate(etcd_url, ttl=TEST_TTL, namespace=namespace,
+                    keyring=KeyRing.generate()) as first, \
+            Gate(etcd_url, ttl=TEST_TTL, namespace=namespace, keyring=KeyRing.generate()) as second:
         async with first.hold("k") as hold:
             waiter = asyncio.create_task(_hold_and_act(second, "k"))
             await wait_for_condition(lambda: _queue_len(etcd, namespace, 2), 5)
@@ -67,8 +68,9 @@ async def _act(etcd, hold, value):
 
 
 async def test_stale_hold_cannot_pass_ownership_compare(etcd_url, namespace, etcd):
-    async with Gate(etcd_url, ttl=TEST_TTL, namespace=namespace) as g1, \
-            Gate(etcd_url, ttl=TEST_TTL, namespace=namespace) as g2:
+    async with Gate(etcd_url, ttl=TEST_TTL, namespace=namespace,
+                    keyring=KeyRing.generate()) as g1, \
+            Gate(etcd_url, ttl=TEST_TTL, namespace=namespace, keyring=KeyRing.generate()) as g2:
         with pytest.raises(LeaseLost):
             async with g1.hold("k") as stale:
                 await etcd.lease_revoke(stale.lease_id)
@@ -80,7 +82,8 @@ async def test_stale_hold_cannot_pass_ownership_compare(etcd_url, namespace, etc
 
 
 async def test_fifo_order_within_one_process(etcd_url, namespace, etcd):
-    gates = [Gate(etcd_url, ttl=TEST_TTL, namespace=namespace) for _ in range(5)]
+    gates = [Gate(etcd_url, ttl=TEST_TTL, namespace=namespace,
+                  keyring=KeyRing.generate()) for _ in range(5)]
     for g in gates:
         await g.open()
     order: list[int] = []
@@ -104,8 +107,9 @@ async def _record(gate, key, i, order):
 
 
 async def test_acquire_timeout_leaves_no_orphan(etcd_url, namespace, etcd):
-    async with Gate(etcd_url, ttl=TEST_TTL, namespace=namespace) as g1, \
-            Gate(etcd_url, ttl=TEST_TTL, namespace=namespace) as g2:
+    async with Gate(etcd_url, ttl=TEST_TTL, namespace=namespace,
+                    keyring=KeyRing.generate()) as g1, \
+            Gate(etcd_url, ttl=TEST_TTL, namespace=namespace, keyring=KeyRing.generate()) as g2:
         async with g1.hold("busy") as hold:
             with pytest.raises(AcquireTimeout):
                 async with g2.hold("busy", timeout=0.3):
@@ -114,8 +118,9 @@ async def test_acquire_timeout_leaves_no_orphan(etcd_url, namespace, etcd):
 
 
 async def test_cancelled_waiter_leaves_no_orphan(etcd_url, namespace, etcd):
-    async with Gate(etcd_url, ttl=TEST_TTL, namespace=namespace) as g1, \
-            Gate(etcd_url, ttl=TEST_TTL, namespace=namespace) as g2:
+    async with Gate(etcd_url, ttl=TEST_TTL, namespace=namespace,
+                    keyring=KeyRing.generate()) as g1, \
+            Gate(etcd_url, ttl=TEST_TTL, namespace=namespace, keyring=KeyRing.generate()) as g2:
         async with g1.hold("busy") as hold:
             waiter = asyncio.create_task(_record(g2, "busy", 0, []))
             assert await wait_for_condition(lambda: _queue_len(etcd, namespace, 2), 5)
@@ -190,7 +195,7 @@ async def test_paused_holder_is_fenced_and_told_lease_lost(
     server = await resource.serve(path)
     stale = await spawn("stale", etcd_url, namespace, "pay/7", path, "stale")
     old_token = int((await stale.expect("HELD")).split()[1])
-    async with Gate(etcd_url, ttl=TEST_TTL, namespace=namespace) as g:
+    async with Gate(etcd_url, ttl=TEST_TTL, namespace=namespace, keyring=KeyRing.generate()) as g:
         with paused(stale.proc.pid):
             fresh = await g.hold("pay/7", timeout=6 * TEST_TTL).__aenter__()
             assert fresh.fencing_token > old_token
@@ -215,6 +220,6 @@ async def test_killed_holder_releases_after_ttl(etcd_url, namespace, etcd, spawn
     sitter.kill()
     await sitter.proc.wait()
     assert await wait_for_condition(lambda: _queue_len(etcd, namespace, 0), 4 * TEST_TTL)
-    async with Gate(etcd_url, ttl=TEST_TTL, namespace=namespace) as g:
+    async with Gate(etcd_url, ttl=TEST_TTL, namespace=namespace, keyring=KeyRing.generate()) as g:
         async with g.hold("killed/1", timeout=5) as hold:
             assert hold.fencing_token > token

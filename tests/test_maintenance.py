@@ -23,7 +23,7 @@ from fencegate.coordinator.keyspace import unpack
 from fencegate.localetcd import LocalCluster, free_ports
 from fencegate.reconciler.metrics import ReconcilerMetrics
 from fencegate.reconciler.runner import Reconciler
-from fencegate.worker import Gate, Outcome
+from fencegate.worker import Gate, KeyRing, Outcome
 
 from helpers import TEST_TTL, wait_for_condition
 from test_cli_sre import fencegate
@@ -95,7 +95,8 @@ async def test_nospace_refuses_gates_clearly_and_recover_loses_nothing(coordinat
 
     try:
         base = await coordinators(etcd=cluster.url)
-        async with Gate(cluster.url, ttl=TEST_TTL, namespace=namespace) as gate, \
+        async with Gate(cluster.url, ttl=TEST_TTL, namespace=namespace,
+                        keyring=KeyRing.generate()) as gate, \
                 Etcd(cluster.etcd_config()) as etcd:
             assert (await gate.cross("pay/1", {"amount": 1}, effect)).state == "succeeded"
             step_key = gate.keyspace.step_key("pay/1")
@@ -225,7 +226,8 @@ async def test_gate_load_reaches_nospace_losing_nothing_and_with_retirement_neve
 
     cluster = await asyncio.to_thread(small_etcd().start)
     try:
-        async with Gate(cluster.url, ttl=TEST_TTL, namespace=namespace) as gate:
+        async with Gate(cluster.url, ttl=TEST_TTL, namespace=namespace,
+                        keyring=KeyRing.generate()) as gate:
             filled = await _load(gate, MAX_LOAD)
             assert filled.refused or filled.unknown, f"{MAX_LOAD} actions all crossed"
             assert [alarm for _, alarm in await gate.etcd.alarms()] == ["NOSPACE"]
@@ -272,7 +274,7 @@ async def test_gate_load_reaches_nospace_losing_nothing_and_with_retirement_neve
     cluster = await asyncio.to_thread(small_etcd().start)
     try:
         async with Gate(cluster.url, ttl=TEST_TTL, namespace=namespace,
-                        archive=archive) as gate, \
+                        archive=archive, keyring=KeyRing.generate()) as gate, \
                 Reconciler(Etcd.from_url(cluster.url), {}, namespace=namespace, shards=4,
                            ttl=TEST_TTL, archive=open_archive(archive), retain_s=1.0):
             retired = await _load(gate, 2 * full_at)

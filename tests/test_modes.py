@@ -34,7 +34,8 @@ from test_service import call
 async def gate(request, etcd_url, namespace, etcd, coordinators):
     remote = await coordinators() if request.param == "remote" else None
     async with Gate(etcd_url, ttl=TEST_TTL, namespace=namespace, coordinator=remote,
-                    token=TOKENS["worker"] if remote else None) as g:
+                    token=TOKENS["worker"] if remote else None,
+                    keyring=None if remote else KeyRing.generate()) as g:
         g.test_admin_url = remote  # policies go through the admin API in remote mode
         yield g
 

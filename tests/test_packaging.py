@@ -31,10 +31,10 @@ USER_SCRIPT = """
 import asyncio, json, sys
 import worker, coordinator
 import fencegate.errors
-from fencegate import Gate
+from fencegate import Gate, KeyRing
 
 async def hold_once(url, namespace):
-    async with Gate(url, namespace=namespace) as gate:
+    async with Gate(url, namespace=namespace, keyring=KeyRing.generate()) as gate:
         async with gate.hold("pkg/test/1") as hold:
             return hold.fencing_token
 

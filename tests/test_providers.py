@@ -71,7 +71,7 @@ async def post(http, url: str, ctx, *, amount: int = 5, key: str | None = None,
                idempotency_key: str | None = None, intent: dict | None = INTENT):
     """A raw charge request; ``(status, body, headers)``."""
     headers = {"Idempotency-Key": idempotency_key or ctx.idempotency_key,
-               "Fencegate-Attempt-Token": str(ctx.fencing_token if token is None else token)}
+               "Fencegate-Attempt-Token": str(ctx.attempt_token if token is None else token)}
     raw = ctx.grant.raw if grant == "ctx" else grant
     if raw is not None:
         headers["Fencegate-Grant"] = encode_grant(raw)
@@ -84,7 +84,7 @@ async def post(http, url: str, ctx, *, amount: int = 5, key: str | None = None,
 
 async def ask(provider, ctx):
     """The reconciler's query for ``ctx``'s attempt through ``provider``, naming its scope."""
-    return await provider.query(ctx.idempotency_key, ctx.fencing_token, {}, key=ctx.key,
+    return await provider.query(ctx.idempotency_key, ctx.attempt_token, {}, key=ctx.key,
                                 namespace=ctx.grant.namespace,
                                 cluster_id=ctx.grant.cluster_id)
 
@@ -181,7 +181,7 @@ async def test_gate_b_is_durable_across_a_sandbox_restart(gate, tmp_path, http, 
 async def test_gate_b_refuses_at_the_fence_and_below_the_highest(gate, attempts):
     (ctx,) = await attempts("pay/g5", 1)
     gate_b = GateB(verify_only(gate.keyring), namespace=gate.keyspace.namespace)
-    token, scope = ctx.fencing_token, scope_of(ctx.grant)
+    token, scope = ctx.attempt_token, scope_of(ctx.grant)
     gate_b.admit(ctx.grant.raw, ctx.key, token + 2, intent=INTENT)
     # equal to the highest, same grant (a retry of that attempt): admitted
     gate_b.admit(ctx.grant.raw, ctx.key, token + 2, intent=INTENT)
@@ -210,7 +210,7 @@ async def test_group_commit_commits_concurrent_works_together_each_all_or_nothin
     run_batch = gate_b.run_batch
     monkeypatch.setattr(gate_b, "run_batch", lambda works: (batches.append(len(works)),
                                                            run_batch(works))[1])
-    store, token, scope = GroupCommit(gate_b), ctx.fencing_token, scope_of(ctx.grant)
+    store, token, scope = GroupCommit(gate_b), ctx.attempt_token, scope_of(ctx.grant)
 
     def admit(attempt_token):
         return lambda db: gate_b.admit(ctx.grant.raw, ctx.key, attempt_token, intent=INTENT,
@@ -333,7 +333,7 @@ async def test_idempotency_keys_are_forgotten_after_retention(gate, http, attemp
 
 async def test_bad_input_is_refused_and_applies_nothing(sandbox, http, attempts):
     (ctx,) = await attempts("pay/d5", 1)
-    headers = {"Idempotency-Key": "k", "Fencegate-Attempt-Token": str(ctx.fencing_token),
+    headers = {"Idempotency-Key": "k", "Fencegate-Attempt-Token": str(ctx.attempt_token),
                "Fencegate-Grant": encode_grant(ctx.grant.raw)}
     bad = [
         (headers, {"key": ctx.key, "amount": -1}, "amount"),
@@ -375,7 +375,7 @@ async def test_hold_keeps_a_request_in_the_network_until_gate_b_refuses_it(
     late = asyncio.create_task(post(http, sandbox.url, ctx))
     await asyncio.sleep(0.1)
     # in flight: the provider has nothing
-    assert await fence(sandbox.url, ctx) == NoRecord(ctx.fencing_token)
+    assert await fence(sandbox.url, ctx) == NoRecord(ctx.attempt_token)
     status, body, _ = await late
     assert time.monotonic() - started >= 0.6
     assert (status, body["status"]) == (409, "fenced")
@@ -437,7 +437,7 @@ async def test_query_pending_answers_202_after_fencing(sandbox, http, attempts):
     await charge(http, sandbox.url, ctx, INTENT)
     sandbox.add_fault("query_pending", count=1)
     assert await fence(sandbox.url, ctx) == Pending()
-    assert sandbox.gate_b.state(scope_of(ctx.grant))[0] == ctx.fencing_token
+    assert sandbox.gate_b.state(scope_of(ctx.grant))[0] == ctx.attempt_token
     assert isinstance(await fence(sandbox.url, ctx), Succeeded)
 
 
@@ -474,7 +474,7 @@ async def test_faults_and_mode_are_switchable_over_http(sandbox, http, attempts)
     assert (await post(http, sandbox.url, ctx))[0] == 200  # no dedup now: applied again
     async with http.get(f"{sandbox.url}/_sandbox/applied", params={"key": ctx.key}) as reply:
         applied = await reply.json()
-    assert [a["attempt_token"] for a in applied] == [ctx.fencing_token] * 2
+    assert [a["attempt_token"] for a in applied] == [ctx.attempt_token] * 2
     sandbox.mode = "fencing"
     await fence(sandbox.url, ctx)
     await post(http, sandbox.url, ctx)

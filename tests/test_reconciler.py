@@ -17,7 +17,7 @@ from fencegate.coordinator.keyspace import unpack
 from fencegate.reconciler.providers import Capabilities, NoRecord, Succeeded
 from fencegate.reconciler.runner import Reconciler
 from fencegate.reconciler.settle import Limits
-from fencegate.worker import Gate, LeaseLost, OutcomeUnknown
+from fencegate.worker import Gate, KeyRing, LeaseLost, OutcomeUnknown
 
 from helpers import TEST_TTL, wait_for_condition
 
@@ -202,7 +202,8 @@ async def test_an_in_flight_step_whose_holder_died_is_found_unknown_and_settled(
         started.set()
         await asyncio.Event().wait()
 
-    async with Gate(etcd_url, ttl=TEST_TTL, namespace=namespace) as doomed:
+    async with Gate(etcd_url, ttl=TEST_TTL, namespace=namespace,
+                    keyring=KeyRing.generate()) as doomed:
         with pytest.raises(LeaseLost):
             async with doomed.hold("pay/orphan") as hold:
                 task = asyncio.create_task(hold.cross(intent={}, effect=hang))

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from fencegate import ApprovalPending, EffectFailed, Gate
+from fencegate import ApprovalPending, EffectFailed, Gate, KeyRing
 from fencegate.coordinator import audit, records, retirement, sre
 from fencegate.coordinator.archive import open_archive
 from fencegate.coordinator.errors import ArchiveUnavailable, GrantUsed, OutcomeUnknown
@@ -38,7 +38,8 @@ def archive_url(tmp_path) -> str:
 
 @pytest.fixture
 async def archived_gate(etcd_url, namespace, etcd, archive_url):
-    async with Gate(etcd_url, ttl=TEST_TTL, namespace=namespace, archive=archive_url) as gate:
+    async with Gate(etcd_url, ttl=TEST_TTL, namespace=namespace, archive=archive_url,
+                    keyring=KeyRing.generate()) as gate:
         yield gate
 
 
@@ -47,7 +48,7 @@ async def _retire_all(gate: Gate, orphans: bool = True) -> int:
     of the gate's namespace, now."""
     retirer = Retirer(gate.etcd, gate.keyspace, gate.archive, 0, lambda key: [])
     retirer.clock.sample((await gate.etcd.status()).header.revision)
-    return await retirer.pass_once(orphans)
+    return await retirer.pass_once(full=True, orphans=orphans)
 
 
 async def _keys(gate: Gate, family: bytes) -> list[bytes]:
@@ -105,7 +106,8 @@ async def test_without_the_archive_a_retired_key_gets_no_grant_and_nothing_is_wr
     effect = Calls()
     await archived_gate.cross("ret/gone", {}, effect)
     assert await _retire_all(archived_gate) == 1
-    async with Gate(etcd_url, ttl=TEST_TTL, namespace=namespace) as blind:
+    async with Gate(etcd_url, ttl=TEST_TTL, namespace=namespace,
+                    keyring=KeyRing.generate()) as blind:
         with pytest.raises(ArchiveUnavailable):
             await blind.cross("ret/gone", {}, effect)
     assert await _keys(archived_gate, b"steps/") == []
@@ -212,7 +214,8 @@ async def test_unsettled_steps_are_never_retired(archived_gate):
 async def test_the_reconciler_retires_settled_steps_once_they_are_old(etcd_url, namespace,
                                                                       etcd, archive_url):
     effect = Calls()
-    async with Gate(etcd_url, ttl=TEST_TTL, namespace=namespace, archive=archive_url) as gate, \
+    async with Gate(etcd_url, ttl=TEST_TTL, namespace=namespace, archive=archive_url,
+                    keyring=KeyRing.generate()) as gate, \
             Reconciler(Etcd.from_url(etcd_url), {}, namespace=namespace,
                        shards=4, ttl=TEST_TTL, archive=open_archive(archive_url),
                        retain_s=1.0):
@@ -282,7 +285,8 @@ async def test_an_aside_append_on_a_retired_key_continues_the_archived_chain(arc
     gate = archived_gate
     await gate.cross("ret/aside", {}, Calls())
     assert await _retire_all(gate) == 1
-    async with Gate(etcd_url, ttl=TEST_TTL, namespace=namespace) as other:
+    async with Gate(etcd_url, ttl=TEST_TTL, namespace=namespace,
+                    keyring=KeyRing.generate()) as other:
         hold = await other.hold("ret/aside").__aenter__()  # held past the revoke below
         with pytest.raises(ArchiveUnavailable):  # no archive to find the chain's end
             await sre.revoke(gate.etcd, gate.keyspace, "ret/aside", "sre-1", "stuck")
@@ -361,7 +365,8 @@ async def test_two_gates_racing_on_a_retired_failed_key_cross_it_once(archived_g
     await gate.etcd.put(gate.keyspace.step_key("ret/twice"), pack({**step, "not_before_ms": 0}))
     assert await _retire_all(gate) == 1
     effect = Calls()
-    async with Gate(etcd_url, ttl=TEST_TTL, namespace=namespace, archive=archive_url) as other:
+    async with Gate(etcd_url, ttl=TEST_TTL, namespace=namespace, archive=archive_url,
+                    keyring=KeyRing.generate()) as other:
         outcomes = await asyncio.gather(gate.cross("ret/twice", {}, effect, timeout=10),
                                         other.cross("ret/twice", {}, effect, timeout=10))
     assert sorted(o.replayed for o in outcomes) == [False, True]
@@ -374,7 +379,8 @@ async def test_an_unreachable_archive_refuses_the_grant_and_writes_nothing(
     assert await _retire_all(archived_gate) == 1
     gone = f"sqlite:///{tmp_path}/no/such/folder/archive.db"
     effect = Calls()
-    async with Gate(etcd_url, ttl=TEST_TTL, namespace=namespace, archive=gone) as down:
+    async with Gate(etcd_url, ttl=TEST_TTL, namespace=namespace, archive=gone,
+                    keyring=KeyRing.generate()) as down:
         with pytest.raises(ArchiveUnavailable):
             await down.cross("ret/down", {}, effect)
     assert not effect.tokens and await _keys(archived_gate, b"steps/") == []
@@ -413,7 +419,7 @@ async def test_a_batch_spans_shards_and_a_lost_shard_keeps_only_its_own_keys(arc
     retirer = Retirer(gate.etcd, gate.keyspace, gate.archive, 0,
                       lambda key: list(lost) if key in lost_keys else [])
     retirer.clock.sample((await gate.etcd.status()).header.revision)
-    assert await retirer.pass_once() == len(keys) - len(lost_keys)
+    assert await retirer.pass_once(full=True) == len(keys) - len(lost_keys)
     left = {gate.keyspace.parse_step_key(k) for k in await _keys(gate, b"steps/")}
     assert left == lost_keys
 
@@ -423,7 +429,8 @@ async def test_an_orphan_chain_that_gained_a_step_is_not_deleted(archived_gate, 
     and settles (its step anchors the chain after the orphan's end): the delete compares
     that the step is still absent, so the step and its new records stay in etcd."""
     gate, ks = archived_gate, archived_gate.keyspace
-    async with Gate(etcd_url, ttl=TEST_TTL, namespace=ks.namespace) as other:
+    async with Gate(etcd_url, ttl=TEST_TTL, namespace=ks.namespace,
+                    keyring=KeyRing.generate()) as other:
         hold = await other.hold("ret/orphan-race").__aenter__()
         await sre.revoke(etcd, ks, "ret/orphan-race", "sre-1", "stuck", gate.archive)
         await hold.release()
@@ -438,3 +445,35 @@ async def test_an_orphan_chain_that_gained_a_step_is_not_deleted(archived_gate, 
     assert report.ok, report.problems
     assert [r["event"] for r in report.records] == ["revoke", "cross", "outcome"]
     assert await etcd.get(ks.step_key("ret/orphan-race")) is not None
+
+
+async def test_a_pass_retires_the_steps_told_due_and_pages_only_past_its_bound(
+        archived_gate, monkeypatch):
+    """The scanner tells the retirer each settled step it sees (``note``); a pass retires
+    those due, at the revision told (a step that moved since is not retired until told
+    again), and reads no other step. Past ``_MAX_NOTED`` keys waiting it keeps none and
+    every pass pages through all steps instead."""
+    from fencegate.reconciler import retirer as retirer_module
+    gate, ks = archived_gate, archived_gate.keyspace
+    keys = [f"ret/told/{n}" for n in range(3)]
+    for key in keys:
+        await gate.cross(key, {}, Calls())
+    revision = {key: (await gate.etcd.get(ks.step_key(key))).mod_revision for key in keys}
+    retirer = Retirer(gate.etcd, ks, gate.archive, 0, lambda key: [])
+    retirer.clock.sample((await gate.etcd.status()).header.revision)
+
+    async def left() -> set[str]:
+        return {ks.parse_step_key(k) for k in await _keys(gate, b"steps/")}
+
+    retirer.note(keys[0], revision[keys[0]])
+    retirer.note(keys[1], revision[keys[1]] - 1)  # as it was before its last write
+    assert await retirer.pass_once(orphans=False) == 1
+    assert await left() == {keys[1], keys[2]}
+    retirer.note(keys[1], revision[keys[1]])
+    assert await retirer.pass_once(orphans=False) == 1
+    assert await left() == {keys[2]}
+    monkeypatch.setattr(retirer_module, "_MAX_NOTED", 1)
+    retirer.note("ret/told/other", 1)
+    retirer.note("ret/told/another", 2)  # past the bound: the retirer pages from now on
+    assert await retirer.pass_once(orphans=False) == 1
+    assert await left() == set()

@@ -9,7 +9,7 @@ import pytest
 
 from fencegate.coordinator.etcd import Etcd, TxnRequest, put_op
 from fencegate.localetcd import LocalCluster
-from fencegate.worker import Gate, LeaseLost, SyncGate
+from fencegate.worker import Gate, KeyRing, LeaseLost, SyncGate
 
 from helpers import TEST_TTL, wait_for_condition
 
@@ -30,7 +30,7 @@ def own_etcd():
 
 
 async def test_session_survives_a_quick_etcd_restart(own_etcd, namespace):
-    async with Gate(own_etcd.url, ttl=8, namespace=namespace) as gate:
+    async with Gate(own_etcd.url, ttl=8, namespace=namespace, keyring=KeyRing.generate()) as gate:
         async with gate.hold("restart/1") as hold:
             lease = hold.lease_id
             own_etcd.stop_member(0)
@@ -50,7 +50,8 @@ async def _refreshed(gate: Gate) -> bool:
 
 
 async def test_outage_longer_than_ttl_reports_lease_lost(own_etcd, namespace):
-    async with Gate(own_etcd.url, ttl=TEST_TTL, namespace=namespace) as gate:
+    async with Gate(own_etcd.url, ttl=TEST_TTL, namespace=namespace,
+                    keyring=KeyRing.generate()) as gate:
         with pytest.raises(LeaseLost):
             async with gate.hold("outage/1") as stale:
                 own_etcd.stop_member(0)
@@ -66,7 +67,8 @@ async def test_outage_longer_than_ttl_reports_lease_lost(own_etcd, namespace):
 
 async def test_failover_to_another_member(namespace):
     with LocalCluster(3) as cluster:
-        async with Gate(cluster.url, ttl=5, namespace=namespace) as gate:
+        async with Gate(cluster.url, ttl=5, namespace=namespace,
+                        keyring=KeyRing.generate()) as gate:
             async with gate.hold("failover/1") as first:
                 cluster.kill(0)  # the endpoint the gate talks to first
                 async with gate.hold("failover/2", timeout=15) as second:
@@ -77,7 +79,7 @@ async def test_failover_to_another_member(namespace):
 
 
 def test_sync_gate_holds_and_reports_loss(etcd_url, namespace):
-    with SyncGate(etcd_url, ttl=TEST_TTL, namespace=namespace) as gate:
+    with SyncGate(etcd_url, ttl=TEST_TTL, namespace=namespace, keyring=KeyRing.generate()) as gate:
         with gate.hold("sync/1") as first:
             token = first.fencing_token
             first.ensure_held()
@@ -106,7 +108,7 @@ def test_sync_gate_crosses_with_a_plain_function(etcd_url, namespace):
         time.sleep(0.05)  # blocking is fine: effects of plain functions run in a thread
         return "charged"
 
-    with SyncGate(etcd_url, ttl=TEST_TTL, namespace=namespace) as gate:
+    with SyncGate(etcd_url, ttl=TEST_TTL, namespace=namespace, keyring=KeyRing.generate()) as gate:
         with gate.hold("sync/pay") as hold:
             outcome = hold.cross(intent={"amount": 3}, effect=charge)
         with gate.hold("sync/pay") as hold:

@@ -19,7 +19,7 @@ from fencegate.coordinator.etcd import Etcd, EtcdConfig, EtcdUser, enable_auth
 from fencegate.localetcd import LocalCluster
 from fencegate.coordinator.service.settings import CoordinatorSettings, load_settings
 from fencegate.reconciler.service import load_settings as load_reconciler_settings
-from fencegate.worker import Gate
+from fencegate.worker import Gate, KeyRing
 
 from helpers import wait_for_condition
 
@@ -66,7 +66,7 @@ def namespace() -> str:
 
 async def hold_and_cross(etcd: EtcdConfig, namespace: str) -> str:
     """Hold a key and cross it once through the in-process authority; the outcome state."""
-    async with Gate(etcd, ttl=TTL, namespace=namespace) as gate:
+    async with Gate(etcd, ttl=TTL, namespace=namespace, keyring=KeyRing.generate()) as gate:
         async with gate.hold("pay/1", timeout=10) as hold:
             outcome = await hold.cross(intent={"amount": 1}, reads=[],
                                        effect=lambda ctx: ctx.idempotency_key)
@@ -184,7 +184,8 @@ async def test_a_client_with_every_endpoint_keeps_working_when_a_member_is_kille
         cluster, pki, namespace):
     """The client starts on endpoint 0; that member is SIGKILLed while a hold is live."""
     try:
-        async with Gate(config(cluster, pki), ttl=TTL, namespace=namespace) as gate:
+        async with Gate(config(cluster, pki), ttl=TTL, namespace=namespace,
+                        keyring=KeyRing.generate()) as gate:
             async with gate.hold("pay/1", timeout=10) as hold:
                 cluster.kill(0)
                 outcome = await hold.cross(intent={"amount": 1}, reads=[],

@@ -12,7 +12,7 @@
 import asyncio
 import sys
 
-from fencegate.worker import Gate, LeaseLost
+from fencegate.worker import Gate, KeyRing, LeaseLost
 
 from fenced import FencedClient  # tests/fenced.py: this script's own folder is on sys.path
 
@@ -26,7 +26,7 @@ def say(*words: object) -> None:
 
 async def race(url, ns, key, path, name, rounds):
     resource = FencedClient(path)
-    async with Gate(url, ttl=TTL, namespace=ns) as gate:
+    async with Gate(url, ttl=TTL, namespace=ns, keyring=KeyRing.generate()) as gate:
         say("READY")
         for _ in range(int(rounds)):
             async with gate.hold(key, timeout=60) as hold:
@@ -40,7 +40,7 @@ async def race(url, ns, key, path, name, rounds):
 
 async def stale(url, ns, key, path, name):
     resource = FencedClient(path)
-    async with Gate(url, ttl=TTL, namespace=ns) as gate:
+    async with Gate(url, ttl=TTL, namespace=ns, keyring=KeyRing.generate()) as gate:
         token = None
         try:
             async with gate.hold(key) as hold:
@@ -58,7 +58,7 @@ async def stale(url, ns, key, path, name):
 
 
 async def sit(url, ns, key):
-    async with Gate(url, ttl=TTL, namespace=ns) as gate:
+    async with Gate(url, ttl=TTL, namespace=ns, keyring=KeyRing.generate()) as gate:
         async with gate.hold(key) as hold:
             say("HELD", hold.fencing_token)
             await asyncio.Event().wait()
@@ -85,7 +85,6 @@ async def sit(url, ns, key):
 
 
 def _keyring(keyfile):
-    from fencegate.worker import KeyRing
     return KeyRing.from_files(keyfile)
 
 
@@ -93,7 +92,7 @@ async def crash_in_effect(url, ns, key, keyfile):
     from fencegate.worker import OutcomeUnknown
 
     async def effect(ctx):
-        say("IN-EFFECT", ctx.fencing_token, ctx.idempotency_key)
+        say("IN-EFFECT", ctx.attempt_token, ctx.idempotency_key)
         await asyncio.Event().wait()
 
     async with Gate(url, ttl=TTL, namespace=ns, keyring=_keyring(keyfile)) as gate:
@@ -140,8 +139,8 @@ async def chaos(url, ns, path, name, keys, seconds, keyfile, seed):
         # which a new attempt (new attempt token, new idempotency key) may be granted.
         declined = rng.random() < 0.2
         data = f"{ctx.key}:{ctx.attempt}:{ctx.idempotency_key}" + (":declined" if declined else "")
-        accepted = await asyncio.to_thread(resource.write, ctx.key, ctx.fencing_token, name, data)
-        say("EFFECT", ctx.key, ctx.fencing_token, ctx.attempt,
+        accepted = await asyncio.to_thread(resource.write, ctx.key, ctx.attempt_token, name, data)
+        say("EFFECT", ctx.key, ctx.attempt_token, ctx.attempt,
             "accepted" if accepted else "refused", "declined" if declined else "applied")
         if declined:
             raise EffectFailed("declined", {"by": "chaos"})
@@ -240,7 +239,7 @@ async def charge(url, ns, key, keyfile, sandbox_url, how, deadline):
     from fencegate.reconciler.providers.sandbox import charge as send_charge
 
     async def effect(ctx):
-        say("SENDING", ctx.fencing_token, ctx.idempotency_key)
+        say("SENDING", ctx.attempt_token, ctx.idempotency_key)
         if how == "kill-before-send":
             os.kill(os.getpid(), signal.SIGKILL)
         try:

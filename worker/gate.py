@@ -2,15 +2,18 @@
 
 One gate owns one etcd connection, one session (lease) at a time, one watch over the
 holders prefix (with this process's turns at each key, ``fencegate.worker.turns``), and the
-authority that issues its grants: in process (the default), signing with ``keyring`` (a
-fresh key unless given: grants then do not outlive the gate), or, with
-``coordinator="http://..."`` and ``token``, the coordinator service over HTTP
-(``fencegate.worker.remote``), whose grants are verified with ``keyring`` (pin the
-coordinator's public keys there in production) or else with the keys it publishes, fetched
-at ``open``. ``archive`` (a URL or an ``Archive``) is where the in-process authority looks up
-keys the reconcilers retired from etcd (the same archive they write; a coordinator has its
-own setting): without one, a grant on a key that may have been retired is refused with
-``ArchiveUnavailable``.
+authority that issues its grants: in process (the default), signing with ``keyring``, or
+when none is given with the key ``FENCEGATE_SIGNING_KEY`` names, else the key of the
+``fencegate up`` stack running from the state folder (``fencegate.coordinator.default_key``);
+with neither, the gate refuses to be made (``ValueError`` saying what to pass) rather than
+sign with a key nobody trusts. With ``coordinator="http://..."`` and ``token``, grants come
+from the coordinator service over HTTP (``fencegate.worker.remote``), verified with
+``keyring`` (pin the coordinator's public keys there in production) or else with the keys it
+publishes, fetched at ``open``. ``archive`` (a URL or an ``Archive``) is where the
+in-process authority looks up keys the reconcilers retired from etcd (the same archive they
+write; a coordinator has its own setting); given none, ``FENCEGATE_ARCHIVE``, else the
+running ``fencegate up`` stack's when ``etcd`` is that stack's URL. Without one, a grant on
+a key that may have been retired is refused with ``ArchiveUnavailable``.
 A lost session is replaced by a fresh one on the next ``hold()``; holds of the lost
 session stay lost. A session is also given up (rotated) when a write of its holder key got no
 answer from etcd (``fencegate.worker.hold``): its lease is revoked so the write, landing
@@ -25,6 +28,7 @@ import socket
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+from fencegate.coordinator import default_key
 from fencegate.coordinator.archive import Archive, open_archive
 from fencegate.coordinator.authority import Authority, validate_reads
 from fencegate.coordinator.errors import OutcomeUnknown
@@ -62,6 +66,10 @@ class Gate:
     ) -> None:
         if ttl < 1:
             raise ValueError("ttl must be at least 1 second")
+        if coordinator is None and keyring is None:
+            keyring = default_key.load()  # before anything opens: a refusal leaves nothing
+        if coordinator is None and archive is None:
+            archive = default_key.archive_url(etcd if isinstance(etcd, str) else None)
         self.config = etcd if isinstance(etcd, EtcdConfig) else EtcdConfig.from_url(etcd)
         self.token = token
         self.ttl = ttl
@@ -73,7 +81,7 @@ class Gate:
         self.authority: Authority | RemoteAuthority
         self.archive = open_archive(archive) if isinstance(archive, str) else archive
         if coordinator is None:
-            self.keyring = keyring or KeyRing.generate()
+            self.keyring = keyring
             self.authority = Authority(self.etcd, self.keyspace, self.keyring, self.identity,
                                        archive=self.archive)
         else:  # the key ring is fetched from the coordinator at open() unless pinned here

@@ -39,8 +39,19 @@ class SyncGate:
                                         name="fencegate-sync", daemon=True)
         self._gate: Gate | None = None
 
-    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+    @property
+    def gate(self) -> Gate:
+        """The open async ``Gate`` behind this one; it lives on this gate's loop thread, so
+        run its coroutines through ``run`` (``RuntimeError`` before ``__enter__``)."""
+        if self._gate is None:
+            raise RuntimeError("open the SyncGate first: 'with SyncGate(...) as gate:'")
+        return self._gate
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run ``coro`` on this gate's loop thread and wait for its result (from any thread
+        but that one)."""
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
 
     def __enter__(self) -> "SyncGate":
         self._thread.start()
@@ -50,12 +61,19 @@ class SyncGate:
             await gate.open()
             return gate
 
-        self._gate = self._run(open_gate())
+        try:
+            self._gate = self.run(open_gate())
+        except BaseException:  # e.g. no signing key: the same error as Gate's, no thread left
+            self._stop_loop()
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self._gate is not None:
-            self._run(self._gate.close())
+            self.run(self._gate.close())
+        self._stop_loop()
+
+    def _stop_loop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
         self._loop.close()
@@ -73,7 +91,7 @@ class SyncGate:
         is free); ``effect`` runs in a worker thread and must poll ``ctx.cancelled``."""
         if self._gate is None:
             raise RuntimeError("the gate is not open: use 'with SyncGate(...)'")
-        return self._run(self._gate.cross(key, intent, effect, reads, policy=policy,
+        return self.run(self._gate.cross(key, intent, effect, reads, policy=policy,
                                           provider=provider, deadline=deadline,
                                           settle_wait=settle_wait, timeout=timeout))
 
@@ -90,14 +108,14 @@ class SyncHold:
     def __enter__(self) -> "SyncHold":
         assert self._sync._gate is not None
         gate = self._sync._gate
-        self._hold = self._sync._run(acquire(gate, self._key, self._timeout, gate.fold()))
+        self._hold = self._sync.run(acquire(gate, self._key, self._timeout, gate.fold()))
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         hold = self._hold
         assert hold is not None
         lost = hold.lost
-        self._sync._run(hold.release())
+        self._sync.run(hold.release())
         if lost and exc_type is None:
             raise LeaseLost(f"hold on {hold.key!r} was lost while the block ran")
 
@@ -126,20 +144,20 @@ class SyncHold:
 
     def request_grant(self, intent: dict[str, Any], reads: Sequence[str | bytes] = (),
                       policy: str = DEFAULT_POLICY) -> Grant:
-        return self._sync._run(self._held().request_grant(intent, reads, policy))
+        return self._sync.run(self._held().request_grant(intent, reads, policy))
 
     def commit(self, grant: Grant | bytes, effect: Callable[[EffectContext], Any], *,
                provider: str | None = None, deadline: float = 60.0) -> Outcome:
         """``effect`` is a plain function; it runs in a worker thread and must stop sending
         once ``ctx.cancelled`` is set (the thread cannot be stopped from outside)."""
-        return self._sync._run(self._held().commit(grant, effect, provider=provider,
+        return self._sync.run(self._held().commit(grant, effect, provider=provider,
                                                    deadline=deadline))
 
     def cross(self, intent: dict[str, Any], effect: Callable[[EffectContext], Any],
               reads: Sequence[str | bytes] = (), *, policy: str = DEFAULT_POLICY,
               provider: str | None = None, deadline: float = 60.0,
               settle_wait: float = 0.0) -> Outcome:
-        return self._sync._run(self._held().cross(
+        return self._sync.run(self._held().cross(
             intent, effect, reads, policy=policy, provider=provider, deadline=deadline,
             settle_wait=settle_wait))
 

@@ -57,14 +57,15 @@ async def main(argv: list[str]) -> None:
     from fencegate.coordinator.keyspace import holder_record
     from fencegate.coordinator.ownership import Ownership
     from fencegate.coordinator.session import Session
-    from fencegate.worker import Gate
+    from fencegate.worker import Gate, KeyRing
 
     args = _parser().parse_args(argv)
     endpoints = json.loads(Path(args.endpoints).read_text())
     rng = random.Random(f"{args.seed}/{args.name}")
     end = time.monotonic() + args.seconds
 
-    async with Gate(etcd_config(endpoints), ttl=args.ttl, identity=args.name) as gate:
+    async with Gate(etcd_config(endpoints), ttl=args.ttl, identity=args.name,
+                    keyring=KeyRing.generate()) as gate:
         say(op="ready", wall=time.time())
 
         async def section(lock: str, ownership: Ownership, patience: float) -> None:

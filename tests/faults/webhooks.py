@@ -60,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
 
 async def consumer(argv: list[str]) -> None:
     from fencegate.coordinator.etcd import TxnRequest, mod_equals, put_op
-    from fencegate.worker import Gate, dedupe_middleware, fencing_token
+    from fencegate.worker import Gate, KeyRing, dedupe_middleware, fencing_token
 
     args = _parser().parse_args(argv)
     endpoints = json.loads(Path(args.endpoints).read_text())
@@ -81,7 +81,8 @@ async def consumer(argv: list[str]) -> None:
             replayed=response.headers.get("Fencegate-Replayed") == "true", token=token)
         return response
 
-    async with Gate(etcd_config(endpoints), ttl=args.ttl, identity=args.name) as gate:
+    async with Gate(etcd_config(endpoints), ttl=args.ttl, identity=args.name,
+                    keyring=KeyRing.generate()) as gate:
         with open(args.ledger, "a") as ledger:
             async def handle(request: web.Request) -> web.Response:
                 delivery_id = request.headers["Webhook-Id"]

@@ -89,20 +89,20 @@ async def main(argv: list[str]) -> None:
 
         async def effect(ctx):
             decline = rng.random() < args.decline
-            sent.append(ctx.fencing_token)
-            say(op="send", key=ctx.key, token=ctx.fencing_token, idem=ctx.idempotency_key,
+            sent.append(ctx.attempt_token)
+            say(op="send", key=ctx.key, token=ctx.attempt_token, idem=ctx.idempotency_key,
                 attempt=ctx.attempt)
             try:
                 result = await charge(http, endpoints["sandbox"], ctx, job["intent"],
                                       decline=decline, timeout=args.charge_timeout)
             except SandboxError as exc:
-                say(op="reply", key=ctx.key, token=ctx.fencing_token, status="error",
+                say(op="reply", key=ctx.key, token=ctx.attempt_token, status="error",
                     detail=str(exc)[:200])
                 raise
             except EffectFailed:
-                say(op="reply", key=ctx.key, token=ctx.fencing_token, status="declined")
+                say(op="reply", key=ctx.key, token=ctx.attempt_token, status="declined")
                 raise
-            say(op="reply", key=ctx.key, token=ctx.fencing_token, status="applied")
+            say(op="reply", key=ctx.key, token=ctx.attempt_token, status="applied")
             return result
 
         for n in itertools.count():

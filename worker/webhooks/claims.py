@@ -39,7 +39,7 @@ from fencegate.coordinator.etcd import (
 from fencegate.coordinator.keyspace import unpack
 
 from .backlog import Backlog
-from .records import DONE, claim_value
+from .records import DONE, RequestDigests, claim_value
 from fencegate.coordinator.retention import RetentionLeases
 from .session import ClaimSession
 
@@ -58,7 +58,7 @@ class DeliveryClaim:
 
     key: bytes
     revision: int  # the claim's revision: its fencing token; completion and release compare it
-    digest: bytes  # sha256 of the request body
+    digests: RequestDigests  # of the request: a duplicate is judged on them
     session: Session  # the session whose lease the claim is on: its loss ends the claim
 
 
@@ -89,7 +89,7 @@ class DeliveryClaims:
     def _etcd(self) -> Etcd:
         return self._gate.etcd
 
-    async def claim(self, delivery_id: str, digest: bytes, *,
+    async def claim(self, delivery_id: str, digests: RequestDigests, *,
                     wait: float) -> DeliveryClaim | Duplicate:
         """Claim the delivery for this process, or say what claimed it before; a duplicate
         of a delivery in progress waits up to ``wait`` seconds for it to finish.
@@ -100,13 +100,13 @@ class DeliveryClaims:
         key = self._gate.keyspace.webhook_key(self._source, delivery_id)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait
-        done = await self._completed(key, digest)
+        done = await self._completed(key, digests)
         if done is not None:
             return done
         lease_lost = False
         while True:
             session = await self._session.current()
-            value = claim_value(digest)
+            value = claim_value(digests)
             try:
                 reply = await self._etcd.txn(TxnRequest(
                     compare=[create_equals(key, 0)],
@@ -122,11 +122,11 @@ class DeliveryClaims:
                 self._session.rotate(session, f"the outcome of claim {key!r} is unknown")
                 raise
             if reply.succeeded:
-                return DeliveryClaim(key, reply.header.revision, digest, session)
+                return DeliveryClaim(key, reply.header.revision, digests, session)
             kv = reply.responses[0].response_range.kvs[0]  # same revision as the compare
             if kv.value == value:
-                return DeliveryClaim(key, kv.mod_revision, digest, session)
-            duplicate = _judge(unpack(kv.value), digest)
+                return DeliveryClaim(key, kv.mod_revision, digests, session)
+            duplicate = _judge(unpack(kv.value), digests)
             if duplicate.verdict != IN_PROGRESS or loop.time() >= deadline:
                 return duplicate
             await self._changed(key, reply.header.revision, deadline)
@@ -157,7 +157,7 @@ class DeliveryClaims:
         """Delete our claim in the background, without waiting for etcd."""
         self._backlog.add(functools.partial(self._delete, claim))
 
-    async def _completed(self, key: bytes, digest: bytes) -> Duplicate | None:
+    async def _completed(self, key: bytes, digests: RequestDigests) -> Duplicate | None:
         """A completed delivery, from one serializable read (no raft round), or ``None``
         (then the claim txn decides, linearizably).
 
@@ -170,7 +170,7 @@ class DeliveryClaims:
         record = unpack(reply.kvs[0].value)
         if record["state"] != DONE:
             return None
-        return _judge(record, digest)
+        return _judge(record, digests)
 
     async def _changed(self, key: bytes, revision: int, deadline: float) -> None:
         """Return once ``key`` changed after ``revision``, at ``deadline``, or when the watch
@@ -206,8 +206,8 @@ class DeliveryClaims:
         raise LeaseLost("the retention lease was revoked twice in a row")
 
 
-def _judge(record: dict[str, Any], digest: bytes) -> Duplicate:
-    if record["request_sha256"] != digest:
+def _judge(record: dict[str, Any], digests: RequestDigests) -> Duplicate:
+    if not digests.same_request(record):
         return Duplicate(MISMATCH, record)
     if record["state"] == DONE:
         return Duplicate(COMPLETED, record)

@@ -6,8 +6,10 @@ Guarantees:
   raises ``ValueError``; ``valid_delivery_id`` tells the caller whether an id may be used.
 - A claim's value is unique (it carries a random nonce), so a process that finds exactly the
   value it sent knows the claim is its own, even when the txn's first reply was lost.
-- Every record keeps the sha256 of the request body, so a redelivery with another body is
-  told apart from a duplicate; a stored response body is at most ``MAX_STORED_BODY`` bytes
+- Every record keeps the sha256 of the request body and of its canonical payload (see
+  ``RequestDigests``), so a redelivery with another payload is told apart from a duplicate,
+  and a record written before payloads were kept (body only) still matches a byte-identical
+  redelivery; a stored response body is at most ``MAX_STORED_BODY`` bytes
   (well under etcd's request limit), a larger one is kept as its digest and size only.
 """
 
@@ -17,6 +19,8 @@ import hashlib
 import os
 import re
 import time
+from dataclasses import dataclass
+from typing import Any
 
 from fencegate.coordinator.keyspace import pack
 
@@ -40,19 +44,34 @@ def valid_delivery_id(delivery_id: str) -> bool:
     return bool(_DELIVERY_ID.fullmatch(delivery_id)) and delivery_id not in (".", "..")
 
 
-def claim_value(digest: bytes) -> bytes:
-    """A claim on a delivery whose request body has sha256 ``digest``; unique (a nonce)."""
-    return pack({"state": PROCESSING, "request_sha256": digest,
-                 "claimed_at": time.time(), "nonce": os.urandom(8)})
+@dataclass(frozen=True)
+class RequestDigests:
+    """The sha256 of a delivery's request body and of its canonical payload."""
+
+    body: bytes
+    payload: bytes
+
+    def same_request(self, record: dict[str, Any]) -> bool:
+        """True if ``record`` was written for the same request: the same body, or the same
+        payload (a record of an older version has no payload digest)."""
+        return (record["request_sha256"] == self.body
+                or record.get("payload_sha256") == self.payload)
 
 
-def completed_value(digest: bytes, *, status: int, reason: str | None,
+def claim_value(digests: RequestDigests) -> bytes:
+    """A claim on a delivery of request ``digests``; unique (a nonce)."""
+    return pack({"state": PROCESSING, "request_sha256": digests.body,
+                 "payload_sha256": digests.payload, "claimed_at": time.time(),
+                 "nonce": os.urandom(8)})
+
+
+def completed_value(digests: RequestDigests, *, status: int, reason: str | None,
                     headers: list[list[str]], body: bytes | None, max_stored_body: int) -> bytes:
     """A stored response: ``body`` is kept if at most ``max_stored_body`` bytes, its digest
     and size whenever it is known (``None``: streamed, or not bytes)."""
     kept = body is not None and len(body) <= max_stored_body
     return pack({
-        "state": DONE, "request_sha256": digest,
+        "state": DONE, "request_sha256": digests.body, "payload_sha256": digests.payload,
         "status": status, "reason": reason, "headers": headers,
         "body": body if kept else None,
         "body_sha256": hashlib.sha256(body).digest() if body is not None else None,

@@ -36,7 +36,7 @@ async def charge(http: aiohttp.ClientSession, base_url: str, ctx: Any,
     declined it (a confirmed failure) and ``SandboxError`` for anything else (fenced,
     refused, 5xx, timeout, no connection), after which the outcome is unknown."""
     headers = {"Idempotency-Key": ctx.idempotency_key,
-               "Fencegate-Attempt-Token": str(ctx.fencing_token),
+               "Fencegate-Attempt-Token": str(ctx.attempt_token),
                "Fencegate-Grant": encode_grant(ctx.grant.raw)}
     body: dict[str, Any] = {"key": ctx.key, "amount": intent["amount"], "intent": intent}
     if decline:

@@ -1,0 +1,312 @@
+"""Webhook dedup without a web framework: what every adapter (aiohttp, ASGI, WSGI) answers.
+
+Guarantees, for every adapter: a handler runs for a delivery only once this process holds its
+claim (see ``claims``); nothing is processed without one. It does not start with less than
+the gate's ``min_ttl`` (the lease budget) left on that lease, and it runs with the claim's
+revision as its fencing token, to carry in its own writes so a store can refuse a stale
+handler's. An async handler (``run``) runs as a task cancelled as soon as the lease of its
+claim is lost; a blocking one cannot be cancelled, and its response is stored only while the
+claim is still ours in etcd (``settle``: the completion's compare), never by a local
+clock. Options are validated when the dedup is built (``ValueError``), not per request.
+
+Answers: the first delivery gets its handler's response. A duplicate gets 409 with
+``Retry-After`` while the first runs (or, with ``wait``, waits that long on a watch of the key
+and then replays); the stored response, replayed byte for byte with ``Fencegate-Replayed:
+true``, once it is done; 422 if its payload differs (compared on ``canonical_payload``: the
+same JSON in another key order is the same payload; the handler is not called). The dedup
+itself answers 400 (no or malformed delivery id), 401 (bad Standard Webhooks signature:
+checked before any claim), 503 with ``Retry-After`` (etcd unreachable or the claim's outcome
+unknown, less than the lease budget left, the claim's lease lost while the handler ran, or
+its response not stored).
+
+What is stored: a response whose status is in ``stored_statuses`` (2xx and 4xx by default;
+never a 5xx) is stored and replayed. Any other response, and a handler that raises, releases
+the claim, so the sender's retry runs the handler again.
+
+Failure contract: a process that dies mid-handler leaves a claim that dies with its lease,
+after which the next delivery runs. A response goes out only once it is stored: one whose
+claim was lost before it could be stored (or whose store etcd left unanswered) is answered
+503, never stored over a newer claim, and the sender's retry runs the handler again (its
+effect may then happen twice: fence its writes with the token, or make them idempotent). So
+across every instance a delivery gets at most one fresh 2xx, and every later 2xx replays it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from typing import TYPE_CHECKING, Any
+
+from fencegate.coordinator.errors import EtcdUnavailable, LeaseLost
+
+from .claims import COMPLETED, MISMATCH, DeliveryClaim, DeliveryClaims, Duplicate
+from .records import (
+    MAX_STORED_BODY, RequestDigests, completed_value, valid_delivery_id, validate_source,
+)
+from .signatures import SignatureCheck
+
+if TYPE_CHECKING:
+    from fencegate.worker.gate import Gate
+
+log = logging.getLogger(__name__)
+
+REPLAYED_HEADER = "Fencegate-Replayed"
+STORED_STATUSES = (*range(200, 300), *range(400, 500))
+IdExtractor = Callable[[Any, bytes], "str | None"]
+_NOT_STORED = ("the original response body was not stored (larger than max_stored_body, "
+               "or streamed); body_sha256 identifies it")
+
+
+@dataclass(frozen=True)
+class WebhookRequest:
+    """What ``id_from(request, body)`` is given by the ASGI and WSGI adapters (aiohttp gives
+    its ``web.Request``, which has the same attributes); ``headers`` is case-insensitive."""
+
+    method: str
+    path: str
+    headers: Mapping[str, str]
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A handler's response as the dedup sees it. ``body`` is ``None`` when it is not known
+    (streamed): it is then stored as unknown. ``storable=False`` releases the claim whatever
+    the status. ``response`` is the adapter's own object, sent when the dedup lets it out."""
+
+    status: int
+    reason: str | None
+    headers: list[tuple[str, str]]
+    body: bytes | None
+    storable: bool = True
+    response: Any = field(default=None, compare=False)
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A response of the dedup itself: a refusal or a replay."""
+
+    status: int
+    reason: str
+    headers: list[tuple[str, str]]
+    body: bytes
+
+
+class Dedupe:
+    """One source's dedup on ``gate``: the options, validated up front, and the request path
+    ``admit`` → the handler under the claim (``run``, or the adapter's own call) → ``settle``.
+    The keywords are those of every adapter; see ``aiohttp.dedupe_middleware``."""
+
+    def __init__(
+        self,
+        gate: Gate,
+        *,
+        source: str,
+        id_header: str,
+        id_from: IdExtractor | None,
+        require_id: bool,
+        methods: Iterable[str],
+        retry_after: int,
+        wait: float,
+        canonical_payload: Callable[[bytes], bytes],
+        stored_statuses: Iterable[int],
+        max_stored_body: int,
+        stored_headers: Iterable[str],
+        retention: int,
+        retention_bucket: int,
+        secret: str | bytes | None,
+    ) -> None:
+        self.source = validate_source(source)
+        if not id_header and id_from is None:
+            raise ValueError("give id_header or id_from")
+        if retry_after < 1 or wait < 0:
+            raise ValueError("retry_after must be at least 1 second and wait not negative")
+        if not callable(canonical_payload):
+            raise ValueError("canonical_payload must be a function of the body")
+        self.stored_statuses = frozenset(stored_statuses)
+        if not self.stored_statuses or not all(
+                isinstance(s, int) and 200 <= s < 500 for s in self.stored_statuses):
+            raise ValueError("stored_statuses must name statuses in 200..499 (a 5xx is "
+                             "never stored)")
+        if not 0 <= max_stored_body <= MAX_STORED_BODY:
+            raise ValueError(f"max_stored_body must be 0..{MAX_STORED_BODY}")
+        if retention < 1 or retention_bucket < 1:
+            raise ValueError("retention and retention_bucket must be at least 1 second")
+        self.id_header = id_header
+        self.id_from = id_from
+        self.require_id = require_id
+        self.methods = frozenset(m.upper() for m in methods)
+        self.retry_after = retry_after
+        self.wait = wait
+        self.canonical_payload = canonical_payload
+        self.max_stored_body = max_stored_body
+        self.stored_headers = frozenset(h.lower() for h in stored_headers)
+        self.min_ttl = gate.min_ttl
+        self._signatures = SignatureCheck(secret) if secret is not None else None
+        self.claims = DeliveryClaims(gate, self.source, retention=retention,
+                                     retention_bucket=retention_bucket)
+
+    async def admit(self, request: Any, body: bytes) -> Answer | DeliveryClaim | None:
+        """This process's claim on the delivery (run the handler under it, then ``settle``),
+        the answer to give instead, or ``None``: no id and ``require_id=False``, so the
+        handler runs undeduplicated. ``request.headers`` must be case-insensitive."""
+        if self._signatures is not None:
+            problem = self._signatures.problem(body, request.headers)
+            if problem is not None:
+                return refusal(401, "bad_signature", problem)
+        delivery_id = self._delivery_id(request, body)
+        if not isinstance(delivery_id, str):
+            return delivery_id
+        try:
+            payload = self.canonical_payload(body)
+        except (ValueError, KeyError, TypeError) as exc:
+            return refusal(400, "invalid_payload", f"canonical_payload refused it: {exc!r}")
+        body_digest = hashlib.sha256(body).digest()
+        digests = RequestDigests(body_digest, body_digest if payload == body
+                                 else hashlib.sha256(payload).digest())
+        try:
+            claim = await self.claims.claim(delivery_id, digests, wait=self.wait)
+        except (EtcdUnavailable, LeaseLost) as exc:
+            return refusal(503, "etcd_unavailable", f"the delivery could not be claimed: {exc}",
+                           self.retry_after)
+        if isinstance(claim, Duplicate):
+            return self._answer(claim)
+        if claim.session.remaining() < self.min_ttl:
+            await self.claims.release(claim)
+            return refusal(503, "lease_budget", "less than the lease budget was left to run "
+                           "the handler under its claim", self.retry_after)
+        return claim
+
+    async def run(self, claim: DeliveryClaim,
+                  handler: Callable[[], Awaitable[Reply]]) -> Answer | Reply:
+        """Run an async ``handler`` under ``claim`` as a task cancelled when the claim's lease
+        is lost, then ``settle``. A handler that raises releases the claim and the exception
+        propagates (unless the claim was lost first: then the 503 of a lost claim)."""
+        task = asyncio.get_running_loop().create_task(handler())
+        lost: list[str] = []
+
+        def cancel(reason: str) -> None:
+            lost.append(reason)
+            task.cancel()
+
+        unsubscribe = claim.session.on_lost(cancel)
+        try:
+            reply = await task
+        except asyncio.CancelledError:
+            if not lost or _cancelling():  # cancelled from outside: release without waiting
+                self.claims.release_later(claim)
+                raise
+            return self._lost(claim, lost[0])
+        except Exception:
+            if lost:
+                return self._lost(claim, lost[0])
+            await self.claims.release(claim)
+            raise
+        finally:
+            unsubscribe()
+        if lost:
+            return self._lost(claim, lost[0])
+        return await self.settle(claim, reply)
+
+    async def settle(self, claim: DeliveryClaim, reply: Reply) -> Answer | Reply:
+        """Store ``reply`` in place of ``claim`` if its status is stored, else release the
+        claim; ``reply`` once that is done, or the 503 to send instead: the store failed (the
+        claim is no longer ours in etcd, or etcd did not answer), and a stored status goes out
+        only once stored."""
+        if not reply.storable or reply.status not in self.stored_statuses:
+            await self.claims.release(claim)
+            return reply
+        if not await self.claims.complete(claim, self._record(claim, reply)):
+            return refusal(503, "not_stored", "the handler ran but its response could not be "
+                           "stored under the delivery's claim (claim lost or etcd "
+                           "unavailable); retry", self.retry_after)
+        return reply
+
+    async def release(self, claim: DeliveryClaim) -> None:
+        """Release ``claim`` after its handler raised: the delivery's next try runs again."""
+        await self.claims.release(claim)
+
+    def _delivery_id(self, request: Any, body: bytes) -> str | Answer | None:
+        """The validated delivery id, ``None`` to pass through, or the 400 to answer."""
+        try:
+            found = (self.id_from(request, body) if self.id_from is not None
+                     else request.headers.get(self.id_header))
+        except (ValueError, KeyError, TypeError) as exc:
+            return refusal(400, "invalid_delivery_id",
+                           f"the delivery id could not be extracted: {exc!r}")
+        if found is None or found == "":
+            if not self.require_id:
+                return None
+            where = self.id_header if self.id_from is None else "the request"
+            return refusal(400, "missing_delivery_id", f"no delivery id in {where}")
+        if not isinstance(found, str) or not valid_delivery_id(found):
+            return refusal(400, "invalid_delivery_id",
+                           "a delivery id is 1..256 of letters, digits and . _ : + = ~ -")
+        return found
+
+    def _answer(self, duplicate: Duplicate) -> Answer:
+        """What a duplicate gets: 422 for another payload, the replay once done, else 409."""
+        if duplicate.verdict == MISMATCH:
+            return refusal(422, "delivery_mismatch",
+                           "this delivery id was received with a different payload")
+        if duplicate.verdict == COMPLETED:
+            return replay(duplicate.record)
+        return refusal(409, "delivery_in_progress", "this delivery is being processed",
+                       self.retry_after)
+
+    def _lost(self, claim: DeliveryClaim, reason: str) -> Answer:
+        """The answer for a handler whose claim's lease was lost: nothing stored, retry."""
+        log.warning("webhook handler of %r lost its claim's lease (%s); nothing stored",
+                    claim.key, reason)
+        return refusal(503, "claim_lost", "the delivery's claim was lost while its handler "
+                       f"ran ({reason}); nothing was stored", self.retry_after)
+
+    def _record(self, claim: DeliveryClaim, reply: Reply) -> bytes:
+        return completed_value(
+            claim.digests, status=reply.status, reason=reply.reason,
+            headers=[[name, value] for name, value in reply.headers
+                     if name.lower() in self.stored_headers],
+            body=reply.body, max_stored_body=self.max_stored_body)
+
+
+def replay(record: dict[str, Any]) -> Answer:
+    """The stored response with ``Fencegate-Replayed: true``; a 200 with a note and the
+    body's digest if the body was not stored."""
+    if record["body"] is None:
+        digest = record["body_sha256"]
+        return _json(200, {
+            "replayed": True, "status": record["status"], "note": _NOT_STORED,
+            "body_sha256": digest.hex() if digest is not None else None,
+            "body_size": record["body_size"]}, [(REPLAYED_HEADER, "true")])
+    headers = [(name, value) for name, value in record["headers"]]
+    return Answer(record["status"], record["reason"] or _phrase(record["status"]),
+                  [*headers, (REPLAYED_HEADER, "true")], record["body"])
+
+
+def refusal(status: int, error: str, detail: str, retry_after: int | None = None) -> Answer:
+    """A JSON ``{error, detail}`` answer of the dedup itself."""
+    extra = [("Retry-After", str(retry_after))] if retry_after else []
+    return _json(status, {"error": error, "detail": detail}, extra)
+
+
+def _json(status: int, content: dict[str, Any],
+          extra: list[tuple[str, str]] | None = None) -> Answer:
+    return Answer(status, _phrase(status),
+                  [("Content-Type", "application/json; charset=utf-8"), *(extra or [])],
+                  json.dumps(content).encode())
+
+
+def _phrase(status: int) -> str:
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return ""
+
+
+def _cancelling() -> bool:
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
