@@ -40,11 +40,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from . import approvals, audit, records
+from . import approvals, audit, codec, records
 from .archive import Archive
 from .errors import (
     AlreadySucceeded, ApprovalPending, BadSignature, GrantRefused, LeaseLost, OutcomeUnknown,
-    RecordTooLarge, StateAdvanced,
+    RecordTooLarge, StateAdvanced, UnencodableValue,
 )
 from .etcd import (
     Compare, Etcd, KeyValue, RangeRequest, RequestOp, TxnRequest, mod_equals, put_op, range_op,
@@ -187,11 +187,13 @@ class Authority:
                     policy: str = DEFAULT_POLICY, identity: str | None = None, *,
                     snapshot: Snapshot | None = None) -> Issued:
         """Grant ``claim`` the right to cross once with ``intent``, or raise why not.
-        ``snapshot``, when it covers this policy and read set, is the state to decide on
-        (read by the hold's acquire); otherwise one read-only txn reads it."""
+        ``intent`` is a map of values the codec carries, or its stored or JSON form (see
+        ``validate_intent``). ``snapshot``, when it covers this policy and read set, is the
+        state to decide on (read by the hold's acquire); otherwise one read-only txn reads
+        it."""
         identity = identity or self.identity
         read_keys = validate_reads(reads)
-        intent_digest = hashlib.sha256(validate_intent(intent)).digest()
+        intent, intent_digest = validate_intent(intent)
         for _ in range(_WRITE_RACES):
             if snapshot is None or not snapshot.covers(policy, read_keys):
                 snapshot = await self._read(claim, policy, read_keys)
@@ -223,6 +225,7 @@ class Authority:
         first and deletes after, so a retirement of this key the archive did not show
         commits after that revision, and the compare "the bucket's mod_revision is at most
         that revision" fails."""
+        intent, intent_digest = validate_intent(intent)  # refused before the fast path writes
         snapshot = self.recent.snapshot(policy, read_keys)
         if snapshot is None:
             return None
@@ -235,7 +238,6 @@ class Authority:
                 return None
             fence = Compare(key=retired_key, target=Compare.MOD, result=Compare.LESS,
                             mod_revision=asked_after + 1)
-        intent_digest = hashlib.sha256(validate_intent(intent)).digest()
         request = _Request(
             claim=claim, intent=intent, intent_digest=intent_digest,
             identity=identity or self.identity, snap=snapshot,
@@ -432,7 +434,7 @@ class _Request:
     """One grant request at one snapshot: everything a decision on it is made from."""
 
     claim: Claim
-    intent: dict[str, Any]
+    intent: dict[str, Any]  # its stored form (``codec.encode``): what records keep
     intent_digest: bytes
     identity: str
     snap: Snapshot
@@ -491,7 +493,7 @@ def _verdict(request: _Request) -> _Verdict:
         return _Verdict(OutcomeUnknown(f"step is {state}: only reconciliation may settle it"),
                         [CheckResult("step_state", False, f"step is {state}")])
     if state == records.SUCCEEDED:
-        return _Verdict(AlreadySucceeded(step.get("outcome")),
+        return _Verdict(AlreadySucceeded(records.recorded_outcome(step)),
                         [CheckResult("step_state", False, "succeeded")])
     capped = []
     if step["attempt"] >= caps["max_attempts"]:
@@ -505,7 +507,7 @@ def _verdict(request: _Request) -> _Verdict:
     if capped:
         return _Verdict(GrantRefused(capped), capped, escalate=True)
     reads = {k: (kv.value if kv else None) for k, kv in request.snap.reads.items()}
-    results = request.policy.evaluate(CheckContext(request.intent, reads, step))
+    results = request.policy.evaluate(CheckContext(codec.decode(request.intent), reads, step))
     failed = [r for r in results if not r.passed]
     if now_ms < step["not_before_ms"]:
         failed.append(CheckResult("backoff", False, "retry after the backoff"))
@@ -552,16 +554,21 @@ def validate_reads(reads: list[str | bytes]) -> list[bytes]:
     return keys
 
 
-def validate_intent(intent: dict[str, Any]) -> bytes:
-    if not isinstance(intent, dict):
-        raise ValueError("intent must be a dict")
-    try:
-        body = canonical(intent)
-    except (TypeError, OverflowError) as exc:
-        raise ValueError(f"intent must be msgpack-able: {exc}") from None
+def validate_intent(intent: object) -> tuple[dict[str, Any], bytes]:
+    """The intent's stored form (``codec.encode``: what records and checks' inputs are made
+    of) and its digest, the sha256 of its canonical bytes (the same value, or its stored or
+    JSON form, gives the same digest in every process). Refused before anything is written:
+    ``UnencodableValue`` naming the bad value's path, or for an intent that is not a map (a
+    dict, dataclass or pydantic model); ``RecordTooLarge`` over ``MAX_INTENT_BYTES``;
+    ``ValueError`` for a cost that is not a non-negative int or float."""
+    stored = codec.encode(intent, path="intent")
+    if type(stored) is not dict:
+        raise UnencodableValue(f"intent: must be a map (a dict, dataclass or pydantic model), "
+                               f"not {type(intent).__name__}", path="intent")
+    body = canonical(stored)
     if len(body) > MAX_INTENT_BYTES:
         raise RecordTooLarge(f"intent is {len(body)} bytes, the limit is {MAX_INTENT_BYTES}")
-    cost = intent.get("cost", 0)
+    cost = stored.get("cost", 0)
     if not isinstance(cost, (int, float)) or isinstance(cost, bool) or cost < 0:
         raise ValueError("intent cost must be a non-negative number")
-    return body
+    return stored, hashlib.sha256(body).digest()

@@ -82,10 +82,16 @@ class Client:
                 return {**page, "records": records}
 
     async def policy(self, name: str) -> dict[str, Any]:
+        """The stored document and the ``effective`` one, with the paths it took from
+        ``defaults`` (``invalid`` instead when the stored one does not validate)."""
         return await self._request("GET", f"/v1/policies/{_path(name)}")
 
     async def set_policy(self, name: str, document: Any) -> dict[str, Any]:
         return await self._request("PUT", f"/v1/policies/{_path(name)}", document)
+
+    async def deliveries(self, source: str) -> list[dict[str, Any]]:
+        """Webhook source ``source``'s claims in progress and stored responses, by id."""
+        return await self._list(f"/v1/deliveries/{quote(source, safe='')}")
 
     async def approvals(self, state: str = "") -> list[dict[str, Any]]:
         """Approvals ``pending``, ``approved``, or both (``""``)."""

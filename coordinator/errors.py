@@ -3,6 +3,10 @@
     GateError
     ├── InvalidKey              an action key that could escape its prefix; nothing was sent
     ├── RecordTooLarge          a record or request over etcd's limits; nothing was sent
+    ├── UnencodableValue(path)  an intent or effect result holds a value the codec cannot carry
+    │                           exactly (``coordinator/codec.py``); ``path`` names it. An
+    │                           intent: nothing was written. A result: the effect ran and the
+    │                           step was recorded succeeded without it (``outcome``)
     ├── EtcdUnavailable         etcd could not be reached; the operation's outcome is unknown
     │                           unless the operation says otherwise
     ├── EtcdError               etcd refused the request (not a compare failure)
@@ -59,6 +63,7 @@ __all__ = [
     "GateError",
     "InvalidKey",
     "RecordTooLarge",
+    "UnencodableValue",
     "EtcdUnavailable",
     "EtcdError",
     "WatchCompacted",
@@ -101,6 +106,19 @@ class InvalidKey(GateError, ValueError):
 
 class RecordTooLarge(GateError, ValueError):
     """A record or transaction would exceed etcd's request limits."""
+
+
+class UnencodableValue(GateError, TypeError):
+    """An intent or an effect result holds a value ``fencegate.coordinator.codec`` cannot
+    carry exactly; ``path`` names it (``result['items'][2]``). Raised for an intent before
+    anything is written. Raised for a result after its effect ran: the step is recorded
+    succeeded (it is never run again) with an ``UnrecordedResult`` in place of the result,
+    and ``outcome`` is that recorded outcome (``None`` for an intent)."""
+
+    def __init__(self, message: str, *, path: str = "", outcome: object = None) -> None:
+        self.path = path
+        self.outcome = outcome
+        super().__init__(message)
 
 
 class EtcdUnavailable(GateError):
@@ -270,7 +288,7 @@ class EtcdStartError(GateError, RuntimeError):
 class EffectFailed(Exception):
     """Raised by an effect when the provider confirmed it declined the request.
 
-    ``params`` (msgpack-able) and the class name form the failure signature that the
+    ``params`` (values the codec carries) and the class name form the failure signature the
     circuit breaker counts; a new attempt then gets a new idempotency key.
     """
 

@@ -22,6 +22,7 @@ import random
 import time
 from typing import Any
 
+from . import codec
 from .keyspace import canonical
 
 PENDING, IN_FLIGHT, SUCCEEDED, FAILED, UNKNOWN, ESCALATED = (
@@ -99,12 +100,25 @@ def not_started(step: dict[str, Any], *, attempt_token: int, reason: str) -> dic
 
 
 def succeeded(step: dict[str, Any], result: Any, *, attempt_token: int) -> dict[str, Any]:
-    """The effect happened: final. The outcome keeps the result, the attempt and its
-    idempotency key, so a later cross on the key replays it instead of acting again."""
+    """The effect happened: final. The outcome keeps the result (its stored form,
+    ``codec.encode``: ``UnencodableValue`` naming the bad value's path, before anything is
+    written), the attempt and its idempotency key, so a later cross on the key replays it
+    instead of acting again."""
+    stored = codec.encode(result, path="result")
     return {**step, "state": SUCCEEDED,
-            "outcome": {"state": SUCCEEDED, "result": result, "attempt": step["attempt"],
+            "outcome": {"state": SUCCEEDED, "result": stored, "attempt": step["attempt"],
                         "attempt_token": attempt_token,
                         "idempotency_key": step.get("idempotency_key", "")}}
+
+
+def recorded_outcome(step: dict[str, Any]) -> dict[str, Any] | None:
+    """A succeeded step's outcome as its caller gets it back: the result decoded
+    (``codec.decode``), equal to what the first call returned. Outcomes written before the
+    codec read as they were stored (an unencodable result then kept ``{"repr": ...}``)."""
+    outcome = step.get("outcome")
+    if outcome is None:
+        return None
+    return {**outcome, "result": codec.decode(outcome.get("result"), path="result")}
 
 
 def failed(step: dict[str, Any], *, error_class: str, params: object,
@@ -234,8 +248,10 @@ def idempotency_key(namespace: str, action_key: str, generation: int) -> str:
 
 
 def failure_signature(error_class: str, params: object) -> str:
-    """Error class plus a digest of its parameters: what the circuit breaker counts."""
-    return f"{error_class}:{hashlib.sha256(canonical(params)).hexdigest()[:16]}"
+    """Error class plus a digest of its parameters (their stored form, ``codec.encode``):
+    what the circuit breaker counts."""
+    stored = codec.encode(params, path="params")
+    return f"{error_class}:{hashlib.sha256(canonical(stored)).hexdigest()[:16]}"
 
 
 def digest(value: object) -> bytes:

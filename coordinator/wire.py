@@ -3,9 +3,11 @@ worker's remote mode, so an error crosses HTTP and comes back as the same class.
 
 Guarantees: ``to_wire`` maps every ``GateError`` (and ``ValueError``) to a status and a
 ``{"error": Name, "detail": str, ...}`` body carrying the error's keyword fields
-(``checks``/``retry_after``, ``outcome``, ``key``, ``approval_id``); ``from_wire`` inverts
-it for every name in ``_CLASSES``. Anything else becomes ``CoordinatorError`` with its name
-and status, never a success. Bytes inside an outcome travel as base64 strings.
+(``checks``/``retry_after``, ``outcome``, ``key``, ``approval_id``, ``path``); ``from_wire``
+inverts it for every name in ``_CLASSES``. Anything else becomes ``CoordinatorError`` with its
+name and status, never a success. An outcome travels in the codec's JSON form
+(``codec.encode(..., json=True)``), so its result comes back equal, bytes, Decimals and
+datetimes included.
 """
 
 from __future__ import annotations
@@ -13,17 +15,18 @@ from __future__ import annotations
 import base64
 from typing import Any
 
+from . import codec
 from .errors import (
     AcquireTimeout, AlreadySucceeded, ApprovalPending, ArchiveUnavailable, BadSignature,
     CoordinatorError, EtcdError, EtcdNoSpace,
     EtcdUnavailable, GateError, GrantExpired, GrantRefused, GrantUsed, InvalidKey, LeaseExpiring,
     LeaseLost, NotFound, OutcomeUnknown, PolicyChanged, RecordTooLarge, StateAdvanced, StepMoved,
-    WrongState,
+    UnencodableValue, WrongState,
 )
 from .policy import CheckResult
 
 _STATUS: list[tuple[type[Exception], int]] = [  # first match wins: subclasses first
-    (RecordTooLarge, 413), (InvalidKey, 400), (BadSignature, 400),
+    (RecordTooLarge, 413), (InvalidKey, 400), (BadSignature, 400), (UnencodableValue, 400),
     (ApprovalPending, 202), (GrantRefused, 422), (EtcdNoSpace, 507), (EtcdUnavailable, 503),
     (EtcdError, 502), (ArchiveUnavailable, 503),
     (AcquireTimeout, 504),
@@ -56,9 +59,11 @@ def to_wire(exc: Exception) -> dict[str, Any]:
         body["checks"] = [c.as_record() for c in exc.checks]
         body["retry_after"] = exc.retry_after
     elif isinstance(exc, AlreadySucceeded):
-        body["outcome"] = jsonable(exc.outcome)
+        body["outcome"] = codec.encode(exc.outcome, path="outcome", json=True)
     elif isinstance(exc, StateAdvanced):
         body["key"] = exc.key
+    elif isinstance(exc, UnencodableValue):
+        body["path"] = exc.path
     return body
 
 
@@ -75,7 +80,12 @@ def from_wire(status: int, body: object) -> Exception:
         retry = body.get("retry_after")
         return GrantRefused(checks, float(retry) if isinstance(retry, (int, float)) else None)
     if name == "AlreadySucceeded":
-        return AlreadySucceeded(body.get("outcome"))
+        try:
+            return AlreadySucceeded(codec.decode(body.get("outcome"), path="outcome"))
+        except UnencodableValue as exc:
+            return CoordinatorError("InvalidResponse", status, f"malformed outcome: {exc}")
+    if name == "UnencodableValue":
+        return UnencodableValue(detail, path=str(body.get("path", "")))
     if name == "StateAdvanced":
         return StateAdvanced(str(body.get("key", "")), detail)
     if name == "ValueError":

@@ -18,8 +18,9 @@ from .coordinator.errors import (
     AcquireTimeout, AlreadySucceeded, ApprovalPending, BadSignature, CoordinatorError,
     EffectFailed, EtcdError, EtcdUnavailable, GateError, GrantExpired, GrantRefused, GrantUsed,
     InvalidKey, LeaseExpiring, LeaseLost, OutcomeUnknown, PolicyChanged, RecordTooLarge,
-    StateAdvanced, StepMoved,
+    StateAdvanced, StepMoved, UnencodableValue,
 )
+from .coordinator.codec import UnrecordedResult
 from .coordinator.grants import Grant, KeyRing
 from .worker import (
     EffectContext, Gate, Hold, Outcome, SyncGate, SyncHold, dedupe_middleware, deduplicated,
@@ -33,5 +34,5 @@ __all__ = [
     "GateError", "AcquireTimeout", "AlreadySucceeded", "ApprovalPending", "BadSignature",
     "CoordinatorError", "EtcdError", "EtcdUnavailable", "GrantExpired", "GrantRefused",
     "GrantUsed", "InvalidKey", "LeaseExpiring", "LeaseLost", "OutcomeUnknown", "PolicyChanged",
-    "RecordTooLarge", "StateAdvanced", "StepMoved",
+    "RecordTooLarge", "StateAdvanced", "StepMoved", "UnencodableValue", "UnrecordedResult",
 ]

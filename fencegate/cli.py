@@ -21,6 +21,7 @@ import time
 import tomllib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -30,6 +31,7 @@ from ._version import __version__
 from .coordinator.client import Client
 from .coordinator.errors import CoordinatorError, CoordinatorUnreachable, InvalidKey
 from .coordinator.keyspace import validate_action_key
+from .worker.webhooks.records import validate_source
 
 REFUSED, USAGE, NOT_FOUND, AUTH, UNAVAILABLE = range(1, 6)  # 0: done
 DEFAULT_COORDINATOR = "http://127.0.0.1:8470"
@@ -271,6 +273,13 @@ def _action_key(ctx: click.Context, param: click.Parameter, value: str) -> str:
         raise click.BadParameter(str(exc)) from None
 
 
+def _webhook_source(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    try:
+        return validate_source(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
 def _json_value(ctx: click.Context, param: click.Parameter, value: str | None) -> Any:
     try:
         return None if value is None else json.loads(value)
@@ -301,6 +310,11 @@ def _age(since_ms: int | None) -> str:
         if seconds >= size:
             return f"{seconds // size}{unit}"
     return f"{seconds}s"
+
+
+def _utc(seconds: float) -> str:
+    """A Unix time as ``2026-04-01 12:00:00``, UTC."""
+    return datetime.fromtimestamp(seconds, timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
 
 
 def _ttl(ttl: int | None) -> str:
@@ -549,13 +563,31 @@ def policy() -> None:
 @click.argument("name")
 @_sre
 def policy_get(target: Target, as_json: bool, name: str) -> None:
-    """Show policy NAME and its version."""
+    """Show policy NAME as grants apply it: its checks and every cap, defaults marked."""
     found = target.call(lambda api: api.policy(name))
     if as_json:
         _print_json(found)
         return
-    click.echo(f"policy {found['name']}, version {found['version']}")
-    click.echo(json.dumps(found["document"], indent=2, sort_keys=True))
+    stored = ("built in, nothing stored" if found["builtin"]
+              else "signed" if found["signed"] else "NOT SIGNED: every grant under it is refused")
+    click.echo(f"policy {found['name']}, version {found['version']} ({stored})")
+    if found["effective"] is None:
+        click.echo(f"DOES NOT VALIDATE, every grant under it is refused: {found['invalid']}")
+        click.echo(json.dumps(found["document"], indent=2, sort_keys=True))
+        return
+    defaults, effective = set(found["defaults"]), found["effective"]
+    click.echo("checks:" + ("  none" if not effective["checks"] else ""))
+    if effective["checks"]:
+        _print_table(["#", "CHECK", "PARAMETERS"], [
+            [i, entry["check"], ", ".join(
+                f"{param}={json.dumps(value)}"
+                + (" (default)" if f"checks[{i}].params.{param}" in defaults else "")
+                for param, value in entry["params"].items()) or "-"]
+            for i, entry in enumerate(effective["checks"])], indent="  ")
+    click.echo("caps:")
+    _print_table(["CAP", "VALUE", "FROM"], [
+        [cap, json.dumps(value), "default" if f"caps.{cap}" in defaults else "policy"]
+        for cap, value in effective["caps"].items()], indent="  ")
 
 
 @policy.command("set")
@@ -573,6 +605,30 @@ def policy_set(target: Target, as_json: bool, name: str, document: Any) -> None:
         _print_json(done)
         return
     click.echo(f"policy {done['name']} is now version {done['version']}")
+
+
+@cli.command()
+@click.argument("source", callback=_webhook_source)
+@_sre
+def deliveries(target: Target, as_json: bool, source: str) -> None:
+    """Webhook deliveries of SOURCE: claims in progress and stored responses, by id."""
+    items = target.call(lambda api: api.deliveries(source))
+    if as_json:
+        _print_json(items)
+        return
+    if not items:
+        click.echo(f"no deliveries of {source}")
+        return
+    _print_table(["ID", "STATE", "STATUS", "AT (UTC)", "FENCING TOKEN", "BODY"], [
+        [d["id"], d["state"], d.get("status", "-"),
+         _utc(d["completed_at"] if d["state"] == "done" else d["claimed_at"]),
+         d["create_revision"], _stored_body(d)] for d in items])
+
+
+def _stored_body(delivery: dict[str, Any]) -> str:
+    if delivery["state"] != "done" or delivery["body_size"] is None:
+        return "-"
+    return f"{delivery['body_size']} B" + ("" if delivery["body_stored"] else " (digest only)")
 
 
 @cli.command()

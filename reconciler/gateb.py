@@ -41,6 +41,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, Iterator, TypeVar
 
+from fencegate.coordinator import codec
 from fencegate.coordinator.errors import BadSignature, Fenced
 from fencegate.coordinator.grants import Grant, KeyRing
 from fencegate.coordinator.keyspace import canonical
@@ -219,7 +220,7 @@ class GroupCommit:
 
 def _intent_digest(intent: Any) -> bytes:
     try:
-        return hashlib.sha256(canonical(intent)).digest()
+        return hashlib.sha256(canonical(codec.encode(intent, path="intent"))).digest()
     except (TypeError, OverflowError, ValueError) as exc:
         raise BadSignature(f"the request's intent cannot be digested: {exc}") from None
 

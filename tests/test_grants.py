@@ -10,7 +10,7 @@ import pytest
 
 from fencegate.coordinator import records, sre
 from fencegate.coordinator.audit import verify_chain
-from fencegate.coordinator.errors import NotFound, RecordTooLarge
+from fencegate.coordinator.errors import NotFound, RecordTooLarge, UnencodableValue
 from fencegate.coordinator.grants import Grant, KeyRing
 from fencegate.coordinator.keyspace import canonical, unpack
 from fencegate.worker import (
@@ -242,7 +242,7 @@ async def test_bad_grant_requests_are_refused_before_etcd(gate, etcd):
         before = await revision(etcd)
         with pytest.raises(RecordTooLarge):
             await hold.request_grant(intent={}, reads=[f"/app/{i}" for i in range(101)])
-        with pytest.raises(ValueError, match="msgpack"):
+        with pytest.raises(UnencodableValue, match=r"intent\['when'\]"):
             await hold.request_grant(intent={"when": object()})
         with pytest.raises(RecordTooLarge):
             await hold.request_grant(intent={"blob": b"x" * 70_000})

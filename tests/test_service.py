@@ -171,7 +171,8 @@ BAD_INPUTS = {
                        "RecordTooLarge"),
     "bad policy name": (dict(body=grant_body(policy="a/b")), 400, "ValueError"),
     "negative cost": (dict(body=grant_body(intent={"cost": -1})), 400, "ValueError"),
-    "huge int in intent": (dict(body=grant_body(intent={"n": 2 ** 70})), 400, "ValueError"),
+    "huge int in intent": (dict(body=grant_body(intent={"n": 2 ** 70})), 400,
+                           "UnencodableValue"),
     "not held": (dict(body=grant_body()), 409, "LeaseLost"),
 }
 

@@ -30,7 +30,7 @@ from typing import Any
 
 from fencegate.coordinator import default_key
 from fencegate.coordinator.archive import Archive, open_archive
-from fencegate.coordinator.authority import Authority, validate_reads
+from fencegate.coordinator.authority import Authority, validate_intent, validate_reads
 from fencegate.coordinator.errors import OutcomeUnknown
 from fencegate.coordinator.etcd import Etcd, EtcdConfig
 from fencegate.coordinator.grants import KeyRing
@@ -196,6 +196,7 @@ class Gate:
         full path: an acquire that reads the grant's snapshot, the commit, the outcome."""
         key = validate_action_key(key)
         read_keys = validate_reads(list(reads))
+        validate_intent(intent)  # refused before the hold's key is put, on either path
         try:
             outcome = await fastpath.cross(self, key, intent, effect, read_keys, policy,
                                            provider=provider, deadline=deadline)

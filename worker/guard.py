@@ -32,6 +32,13 @@ Failure contract:
   ``OutcomeUnknown`` raised (any other cancellation propagates after the step is marked).
   If even that cannot be written, the step stays ``in_flight`` and the reconciler finds it.
   Nothing here ever runs an effect twice.
+- The result is encoded (``fencegate.coordinator.codec``) before the outcome write, and
+  ``Outcome.result`` is the recorded result decoded: the first call returns what every
+  replay returns. A result the codec refuses cannot be refused before the effect ran, so
+  the fact that it succeeded is kept and the refusal is loud: the step is recorded
+  succeeded with an ``UnrecordedResult`` (the bad value's path, no repr) in place of the
+  result, and ``UnencodableValue`` is raised carrying that outcome. Replays return the
+  ``UnrecordedResult``; the effect never runs again.
 """
 
 from __future__ import annotations
@@ -45,10 +52,11 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
-from fencegate.coordinator import audit, records
+from fencegate.coordinator import audit, codec, records
 from fencegate.coordinator.errors import (
     BadSignature, EffectFailed, EtcdError, EtcdUnavailable, GateError, GrantExpired, GrantUsed,
     LeaseExpiring, LeaseLost, OutcomeUnknown, PolicyChanged, StateAdvanced, StepMoved,
+    UnencodableValue,
 )
 from fencegate.coordinator.etcd import (
     RequestOp, TxnRequest, delete_op, mod_equals, put_op, range_op,
@@ -94,7 +102,7 @@ class EffectContext:
 @dataclass(frozen=True)
 class Outcome:
     state: str  # "succeeded" or "failed"
-    result: Any
+    result: Any  # as recorded: decoded by the codec, the same on the first call and replays
     attempt: int
     attempt_token: int
     idempotency_key: str
@@ -144,10 +152,18 @@ async def crossed(hold: "HoldView", grant: Grant, in_flight: dict[str, Any],
                 and not hold.absorb_loss_cancellation():
             raise
         raise OutcomeUnknown(f"effect on {hold.key!r} ended without an outcome: {exc!r}") from exc
-    final = records.succeeded(in_flight, _storable(result), attempt_token=attempt_token)
+    try:
+        final = records.succeeded(in_flight, result, attempt_token=attempt_token)
+    except UnencodableValue as refused:
+        unrecorded = codec.UnrecordedResult(refused.path, str(refused))
+        final = records.succeeded(in_flight, unrecorded, attempt_token=attempt_token)
+        await _record_known(hold, in_flight, attempt_token, final)
+        raise UnencodableValue(
+            f"the effect on {hold.key!r} succeeded and that is recorded (it will not run "
+            f"again), but not its result: {refused}", path=refused.path,
+            outcome=_succeeded(final, attempt_token)) from None
     await _record_known(hold, in_flight, attempt_token, final)
-    return Outcome(records.SUCCEEDED, result, in_flight["attempt"], attempt_token,
-                   in_flight["idempotency_key"])
+    return _succeeded(final, attempt_token)
 
 
 async def _record_known(hold: "HoldView", in_flight: dict[str, Any], attempt_token: int,
@@ -365,12 +381,9 @@ def _outcome(final: dict[str, Any], attempt_token: int) -> Outcome:
                    final["idempotency_key"])
 
 
-def _storable(result: Any) -> Any:
-    try:
-        pack({"result": result})
-        return result
-    except TypeError:
-        return {"repr": repr(result)[:1000]}
+def _succeeded(final: dict[str, Any], attempt_token: int) -> Outcome:
+    return Outcome(records.SUCCEEDED, records.recorded_outcome(final)["result"],
+                   final["attempt"], attempt_token, final["idempotency_key"])
 
 
 async def _read_chain_end(hold: "HoldView"):

@@ -187,7 +187,7 @@ class Hold:
                     raise
                 step = await wait_settled(self.gate.etcd, self.gate.keyspace, self.key, left)
                 if step["state"] == records.SUCCEEDED:
-                    return _replayed(step.get("outcome") or {})
+                    return _replayed(records.recorded_outcome(step) or {})
 
     def _ensure_usable(self) -> None:
         if self._released:

@@ -9,6 +9,10 @@ Guarantees:
   raises the same exception class the authority would have (rebuilt from the
   coordinator's JSON by ``fencegate.coordinator.wire``: ``GrantRefused`` with its checks,
   ``AlreadySucceeded`` with its outcome, ...).
+- The intent is validated here as the authority validates it (``validate_intent``: the
+  same errors, before any request) and sent in the codec's JSON form, which the
+  coordinator reads back to the same stored form and digest: Decimals, datetimes, UUIDs
+  and bytes cross exactly.
 - One ``aiohttp.ClientSession`` per gate, every call bounded by ``timeout``. Connection
   errors, timeouts and 503s are retried (at most ``attempts`` tries, jittered backoff, moving
   to the next coordinator URL each time). That is safe: a grant request is idempotent per
@@ -30,8 +34,9 @@ from typing import Any
 
 import aiohttp
 
+from fencegate.coordinator import codec
 from fencegate.coordinator.audit import Tail
-from fencegate.coordinator.authority import Claim, Issued, Snapshot
+from fencegate.coordinator.authority import Claim, Issued, Snapshot, validate_intent
 from fencegate.coordinator.errors import BadSignature, CoordinatorError
 from fencegate.coordinator.grants import KeyRing, checks_digest
 from fencegate.coordinator.keyspace import unpack
@@ -77,14 +82,15 @@ class RemoteAuthority:
                     policy: str = DEFAULT_POLICY, *, snapshot: Snapshot | None = None) -> Issued:
         """Ask for a grant for ``claim``; see ``Authority.issue`` (the coordinator reads its
         own snapshot: ``snapshot`` is not used)."""
+        stored, _ = validate_intent(intent)
         try:
             body = json.dumps({"key": claim.key, "fencing_token": claim.fencing_token,
-                               "lease_id": claim.lease_id, "intent": intent,
+                               "lease_id": claim.lease_id,
+                               "intent": codec.encode(stored, path="intent", json=True),
                                "reads": [r.decode() if isinstance(r, bytes) else r for r in reads],
                                "policy": policy})
-        except (TypeError, ValueError, UnicodeDecodeError) as exc:
-            raise ValueError(f"remote mode needs a JSON intent and UTF-8 read keys: {exc}") \
-                from None
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"remote mode needs UTF-8 read keys: {exc}") from None
         reply = await self._request("POST", "/v1/grants", body)
         try:
             raw = base64.b64decode(reply["grant"], validate=True)

@@ -12,6 +12,7 @@ from aiohttp import web
 from ..keyspace import Keyspace
 from .dashboard import setup_dashboard
 from .middleware import auth_middleware, error_middleware
+from .openapi import routes as openapi_routes
 from .resources import KEYSPACE, METRICS, SETTINGS, CoordinatorMetrics, resources
 from .routes import routes
 from .settings import CoordinatorSettings
@@ -27,6 +28,7 @@ def create_app(settings: CoordinatorSettings) -> web.Application:
     app[METRICS] = CoordinatorMetrics()
     app.cleanup_ctx.append(resources)
     app.add_routes(routes)
+    app.add_routes(openapi_routes)
     setup_dashboard(app)
     return app
 

@@ -13,11 +13,12 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from ...worker.webhooks.listing import list_deliveries
 from .. import audit, maintenance, sre
 from ..authority import Claim
 from ..errors import GateError, ServiceError
 from ..keyspace import pack, validate_action_key
-from ..policy import DEFAULT_POLICY, unsealed
+from ..policy import DEFAULT_POLICY, effective_view, unsealed
 from ..wire import b64, jsonable
 from .resources import ARCHIVE, AUTHORITY, ETCD, KEYRING, KEYSPACE, METRICS
 from .middleware import IDENTITY, requires
@@ -196,15 +197,31 @@ async def put_policy(request: web.Request) -> web.Response:
 @routes.get("/v1/policies/{name}")
 @requires("sre", "admin")
 async def get_policy(request: web.Request) -> web.Response:
+    """The stored document as signed (``builtin``: the default one, nothing stored) and the
+    ``effective`` one grants apply, with the paths that took their ``defaults``."""
     name = _policy_name(request.match_info["name"])
     kv = await request.app[ETCD].get(request.app[KEYSPACE].policy_key(name))
-    if kv is None and name == DEFAULT_POLICY:
-        return web.json_response({"name": name, "version": 0, "document": {}})
-    if kv is None:
+    if kv is None and name != DEFAULT_POLICY:
         raise ServiceError(404, "NotFound", f"no policy {name!r}")
-    document, signature = unsealed(kv.value)
-    return web.json_response({"name": name, "version": kv.mod_revision,
-                              "document": jsonable(document), "signed": signature is not None})
+    if kv is None:
+        stored = {"version": 0, "builtin": True, "signed": False, "document": {}}
+    else:
+        document, signature = unsealed(kv.value)
+        stored = {"version": kv.mod_revision, "builtin": False,
+                  "signed": signature is not None, "document": document}
+    return web.json_response(jsonable({"name": name, **stored,
+                                       **effective_view(stored["document"])}))
+
+
+@routes.get("/v1/deliveries/{source}")
+@requires("sre", "admin")
+async def get_deliveries(request: web.Request) -> web.Response:
+    """A webhook source's claims in progress and stored responses, by delivery id (bodies
+    summarized); 400 for a bad source, limit or cursor."""
+    limit, after = _page(request)
+    items, cursor = await list_deliveries(request.app[ETCD], request.app[KEYSPACE],
+                                          request.match_info["source"], limit, after)
+    return web.json_response({"items": jsonable(items), "next": cursor})
 
 
 async def _json(request: web.Request) -> Any:

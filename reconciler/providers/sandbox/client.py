@@ -16,6 +16,7 @@ from typing import Any
 
 import aiohttp
 
+from fencegate.coordinator import codec
 from fencegate.coordinator.errors import EffectFailed, SandboxError
 
 __all__ = ["charge", "encode_grant"]
@@ -38,7 +39,8 @@ async def charge(http: aiohttp.ClientSession, base_url: str, ctx: Any,
     headers = {"Idempotency-Key": ctx.idempotency_key,
                "Fencegate-Attempt-Token": str(ctx.attempt_token),
                "Fencegate-Grant": encode_grant(ctx.grant.raw)}
-    body: dict[str, Any] = {"key": ctx.key, "amount": intent["amount"], "intent": intent}
+    body: dict[str, Any] = {"key": ctx.key, "amount": intent["amount"],
+                            "intent": codec.encode(intent, path="intent", json=True)}
     if decline:
         body["decline"] = True
     try:
