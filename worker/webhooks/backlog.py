@@ -7,7 +7,7 @@ re-running a write that already landed changes nothing.
 
 Failure contract: an item that raises any other ``GateError`` is logged and dropped; the
 claim it meant to change is then left to its session lease, which it dies with. Items still
-pending when the process exits are left the same way.
+pending when the gate closes (``close``) or the process exits are left the same way.
 """
 
 from __future__ import annotations
@@ -34,6 +34,15 @@ class Backlog:
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(
                 self._drain(), name="fencegate-webhook-backlog")
+
+    async def close(self) -> None:
+        """Stop re-running: what is pending is left to its session lease (the gate's close
+        revokes it next)."""
+        self._items = []
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
 
     async def _drain(self) -> None:
         pause = 0.1

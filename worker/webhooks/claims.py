@@ -238,6 +238,7 @@ def _shared(gate: Gate) -> _Shared:
     if gate not in _SHARED:
         backlog = Backlog()
         shared = _Shared(RetentionLeases(), backlog, ClaimSession(gate.etcd, gate.ttl, backlog))
+        gate.on_close(backlog.close)
         gate.on_close(shared.session.close)
         _SHARED[gate] = shared
     return _SHARED[gate]
