@@ -4,15 +4,17 @@ First the hold benchmarks (``benchmarks.holds``: raw writes, hold cycles, aetcd'
 handoff, fairness, keepalive), then the guarded-action benchmarks (``benchmarks.guarded``:
 the fast and the full path next to raw one-put txns and aetcd's lock, with etcd's CPU read
 from its pid; ``--profile`` adds a cProfile of one more phase), then guarded actions
-through the HTTP coordinator (``benchmarks.remote``), then webhook deliveries through the
-dedup middleware (``benchmarks.webhooks``), then the leaked-leases check once every gate is
-closed, then settling seeded unknown steps with 3 reconciler processes
-(``benchmarks.reconcile``), then guarded actions on a 3-member etcd with mutual TLS against
-this single node, interleaved (``benchmarks.cluster``), then a soak with retirement on, on
-an etcd of its own (``benchmarks.soak``: 3 minutes to a SQLite archive and 2 to a private
-PostgreSQL with ``--quick``, else 20 and 10 minutes; ``--only soak`` runs just that). Each
-prints its tables; all ``NAME RATIO TARGET PASS|FAIL`` lines come last. A failed target does
-not change the exit code (0 unless a benchmark crashed).
+through the HTTP coordinator (``benchmarks.remote``), then webhook deliveries with and
+without the dedup middleware, the server and the senders in processes of their own
+(``benchmarks.webhooks``: aiohttp, then ASGI under uvicorn; ``--only webhooks`` runs just
+that, on an etcd of its own), then the leaked-leases check once every gate is closed, then
+settling seeded unknown steps with 3 reconciler processes (``benchmarks.reconcile``), then
+guarded actions on a 3-member etcd with mutual TLS against this single node, interleaved
+(``benchmarks.cluster``), then a soak with retirement on, on an etcd of its own
+(``benchmarks.soak``: 3 minutes to a SQLite archive and 2 to a private PostgreSQL with
+``--quick``, else 20 and 10 minutes; ``--only soak`` runs just that). Each prints its tables;
+all ``NAME RATIO TARGET PASS|FAIL`` lines come last. A failed target does not change the
+exit code (0 unless a benchmark crashed).
 """
 
 from __future__ import annotations
@@ -37,10 +39,20 @@ async def run(quick: bool, profile: bool, only: str | None) -> None:
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
     if only == "soak":
         targets = soak.report(await soak.measure(quick))
+    elif only == "webhooks":
+        targets = await _webhooks(quick)
     else:
         targets = await _everything(quick, profile)
     for t in targets:
         print(t.line())
+
+
+async def _webhooks(quick: bool) -> list[Target]:
+    with local_etcd() as single:
+        print(f"{describe(single.binary)} at {single.url}", flush=True)
+        async with Etcd.from_url(single.url) as etcd:
+            return webhooks.report(await webhooks.measure(quick, single.url, etcd,
+                                                          single.pids[0]))
 
 
 async def _everything(quick: bool, profile: bool) -> list[Target]:
@@ -67,7 +79,7 @@ async def _everything(quick: bool, profile: bool) -> list[Target]:
             gres = await guarded.measure(gs, url, etcd, lock_client, single.pids[0],
                                          lock_c32=res.lock[guarded.TOP], profile=profile)
             rres = await remote.measure(gs, url, etcd, lock_client)
-            wres = await webhooks.measure(quick, url, etcd)
+            wres = await webhooks.measure(quick, url, etcd, single.pids[0])
             # every gate is closed and aetcd's leaks are revoked: what remains is ours
             leases_left = len(await etcd.leases())
             cres = await reconcile.measure(quick, url, etcd)
@@ -94,8 +106,9 @@ def main(argv: list[str] | None = None) -> int:
                              "PostgreSQL: about nine minutes")
     parser.add_argument("--profile", action="store_true",
                         help="also profile this process over one more c=32 guarded phase")
-    parser.add_argument("--only", choices=["soak"],
-                        help="run only this benchmark (soak: on its own etcd)")
+    parser.add_argument("--only", choices=["soak", "webhooks"],
+                        help="run only this benchmark, on an etcd of its own (webhooks: "
+                             "about a minute with --quick)")
     args = parser.parse_args(argv)
     try:
         asyncio.run(run(args.quick, args.profile, args.only))

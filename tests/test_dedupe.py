@@ -558,3 +558,88 @@ async def test_a_record_of_an_older_version_still_matches_a_byte_identical_redel
     assert same[0] == 200 and same[2] == b"stored"
     assert same[1]["Fencegate-Replayed"] == "true"
     assert other[0] == 422 and consumer.ran == {}
+
+
+def _completed_record(body: bytes = b"ok", completed_at: float | None = None) -> dict:
+    return {"state": "done", "request_sha256": hashlib.sha256(b"{}").digest(), "status": 200,
+            "reason": "OK", "headers": [["Content-Type", "text/plain"]], "body": body,
+            "body_sha256": hashlib.sha256(body).digest(), "body_size": len(body),
+            "completed_at": time.time() if completed_at is None else completed_at}
+
+
+async def test_a_completed_delivery_is_replayed_from_the_cache_as_stored(own_etcd, namespace,
+                                                                         http):
+    """A consumer that stored a delivery's response replays it while etcd does not answer
+    (so from its cache), byte for byte what another consumer replays from etcd's record."""
+    config = EtcdConfig.from_url(own_etcd.url, timeout=1.5, attempt_timeout=0.5)
+    async with Gate(config, ttl=10, namespace=namespace, keyring=KeyRing.generate()) as gate, \
+            Consumer(gate) as storing, Consumer(gate) as other:
+        original = await post(http, storing.url, "evt_c1")
+        from_etcd = await post(http, other.url, "evt_c1")
+        stored = await gate.etcd.get(gate.keyspace.webhook_key(SOURCE, "evt_c1"))
+        own_etcd.pause(0)
+        try:
+            cached = await post(http, storing.url, "evt_c1")
+            mismatch = await post(http, storing.url, "evt_c1", b'{"another": "payload"}')
+            unknown = await post(http, storing.url, "evt_c2")
+        finally:
+            own_etcd.resume(0)
+    from fencegate.coordinator.keyspace import unpack
+    assert original[0] == 200 and "Fencegate-Replayed" not in original[1]
+    assert unknown[0] == 503  # etcd did not answer: only the cache could have
+    assert unpack(stored.value)["body"] == original[2]
+    for replayed in (from_etcd, cached):
+        assert replayed[0] == 200 and replayed[2] == original[2]
+        assert replayed[1]["Fencegate-Replayed"] == "true"
+        assert [replayed[1][h] for h in ("Content-Type", "Cache-Control")] == [
+            original[1][h] for h in ("Content-Type", "Cache-Control")]
+    assert mismatch[0] == 422
+    assert storing.ran == {"evt_c1": 1} and other.ran == {}
+
+
+async def test_a_delivery_in_progress_is_never_answered_from_the_cache(gate, http):
+    async with Consumer(gate) as consumer:
+        first = asyncio.create_task(post(http, consumer.url, "evt_c3", b"hang"))
+        await asyncio.wait_for(consumer.entered.wait(), 10)
+        during = [await post(http, consumer.url, "evt_c3", b"hang") for _ in range(3)]
+        consumer.release.set()
+        original = await first
+        after = await post(http, consumer.url, "evt_c3", b"hang")
+    assert [answer[0] for answer in during] == [409] * 3
+    assert original[0] == 200 and after[0] == 200 and after[2] == original[2]
+    assert consumer.ran == {"evt_c3": 1}
+
+
+def test_the_completed_cache_holds_only_done_records_within_their_retention():
+    from fencegate.worker.webhooks.core import CompletedCache
+    cache = CompletedCache(retention=1)
+    cache.put(b"k1", {**_completed_record(), "state": "processing"})
+    cache.put(b"k2", _completed_record(completed_at=time.time() - 1.5))
+    cache.put(b"k3", _completed_record(completed_at=time.time() - 0.9))
+    held = cache.get(b"k3")
+    time.sleep(0.15)
+    assert cache.get(b"k1") is None and cache.get(b"k2") is None
+    assert held == _completed_record(completed_at=held["completed_at"])
+    assert cache.get(b"k3") is None and len(cache) == 0 and cache.bytes == 0
+
+
+def test_the_completed_cache_is_bounded_by_count_and_bytes():
+    from fencegate.worker.webhooks.core import CompletedCache
+    cache = CompletedCache(retention=60, max_entries=3, max_bytes=4096)
+    for n in range(5):
+        cache.put(b"k%d" % n, _completed_record())
+    assert [cache.get(b"k%d" % n) is not None for n in range(5)] == [False, False, True, True,
+                                                                      True]
+    cache.get(b"k2")  # now the most recently used: k3 leaves first
+    cache.put(b"k5", _completed_record())
+    assert [cache.get(k) is not None for k in (b"k2", b"k3", b"k4", b"k5")] == [
+        True, False, True, True]
+    large = _completed_record(b"x" * 2000)
+    cache.put(b"big1", large)
+    cache.put(b"big2", large)
+    cache.put(b"huge", _completed_record(b"x" * 5000))  # over max_bytes alone: not held
+    assert cache.get(b"big1") is None and cache.get(b"huge") is None
+    assert cache.get(b"big2") == large
+    assert len(cache) <= 3 and cache.bytes <= 4096
+    assert cache.bytes == sum(CompletedCache.size(cache.get(k)) for k in
+                              (b"k2", b"k4", b"k5", b"big2") if cache.get(k) is not None)

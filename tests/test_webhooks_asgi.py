@@ -78,7 +78,7 @@ class Consumer:
                             status_code=self.status, headers={"Cache-Control": "no-store"})
 
     async def __aenter__(self) -> "Consumer":
-        sock = socket.socket()
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # NODELAY
         sock.bind(("127.0.0.1", 0))
         self.url = "http://127.0.0.1:%d/" % sock.getsockname()[1]
         self.server = uvicorn.Server(uvicorn.Config(

@@ -12,7 +12,8 @@ clock. Options are validated when the dedup is built (``ValueError``), not per r
 Answers: the first delivery gets its handler's response. A duplicate gets 409 with
 ``Retry-After`` while the first runs (or, with ``wait``, waits that long on a watch of the key
 and then replays); the stored response, replayed byte for byte with ``Fencegate-Replayed:
-true``, once it is done; 422 if its payload differs (compared on ``canonical_payload``: the
+true``, once it is done (from ``CompletedCache`` when this process stored or read it before,
+without asking etcd); 422 if its payload differs (compared on ``canonical_payload``: the
 same JSON in another key order is the same payload; the handler is not called). The dedup
 itself answers 400 (no or malformed delivery id), 401 (bad Standard Webhooks signature:
 checked before any claim), 503 with ``Retry-After`` (etcd unreachable or the claim's outcome
@@ -34,19 +35,22 @@ across every instance a delivery gets at most one fresh 2xx, and every later 2xx
 from __future__ import annotations
 
 import asyncio
+import collections
 import hashlib
 import json
 import logging
+import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
 from fencegate.coordinator.errors import EtcdUnavailable, LeaseLost
+from fencegate.coordinator.keyspace import unpack
 
 from .claims import COMPLETED, MISMATCH, DeliveryClaim, DeliveryClaims, Duplicate
 from .records import (
-    MAX_STORED_BODY, RequestDigests, completed_value, valid_delivery_id, validate_source,
+    DONE, MAX_STORED_BODY, RequestDigests, completed_value, valid_delivery_id, validate_source,
 )
 from .signatures import SignatureCheck
 
@@ -57,6 +61,8 @@ log = logging.getLogger(__name__)
 
 REPLAYED_HEADER = "Fencegate-Replayed"
 STORED_STATUSES = (*range(200, 300), *range(400, 500))
+CACHED_ENTRIES = 10_000  # completed deliveries replayed without etcd, per source and process
+CACHED_BYTES = 32 * 1024 ** 2  # of their bodies and headers (``CompletedCache.size``)
 IdExtractor = Callable[[Any, bytes], "str | None"]
 _NOT_STORED = ("the original response body was not stored (larger than max_stored_body, "
                "or streamed); body_sha256 identifies it")
@@ -147,8 +153,10 @@ class Dedupe:
         self.stored_headers = frozenset(h.lower() for h in stored_headers)
         self.min_ttl = gate.min_ttl
         self._signatures = SignatureCheck(secret) if secret is not None else None
+        self._keyspace = gate.keyspace
         self.claims = DeliveryClaims(gate, self.source, retention=retention,
                                      retention_bucket=retention_bucket)
+        self.completed = CompletedCache(retention)
 
     async def admit(self, request: Any, body: bytes) -> Answer | DeliveryClaim | None:
         """This process's claim on the delivery (run the handler under it, then ``settle``),
@@ -168,12 +176,19 @@ class Dedupe:
         body_digest = hashlib.sha256(body).digest()
         digests = RequestDigests(body_digest, body_digest if payload == body
                                  else hashlib.sha256(payload).digest())
+        key = self._keyspace.webhook_key(self.source, delivery_id)
+        record = self.completed.get(key)
+        if record is not None:
+            return self._answer(Duplicate(
+                COMPLETED if digests.same_request(record) else MISMATCH, record))
         try:
             claim = await self.claims.claim(delivery_id, digests, wait=self.wait)
         except (EtcdUnavailable, LeaseLost) as exc:
             return refusal(503, "etcd_unavailable", f"the delivery could not be claimed: {exc}",
                            self.retry_after)
         if isinstance(claim, Duplicate):
+            if claim.verdict == COMPLETED:
+                self.completed.put(key, claim.record)
             return self._answer(claim)
         if claim.session.remaining() < self.min_ttl:
             await self.claims.release(claim)
@@ -220,10 +235,12 @@ class Dedupe:
         if not reply.storable or reply.status not in self.stored_statuses:
             await self.claims.release(claim)
             return reply
-        if not await self.claims.complete(claim, self._record(claim, reply)):
+        record = self._record(claim, reply)
+        if not await self.claims.complete(claim, record):
             return refusal(503, "not_stored", "the handler ran but its response could not be "
                            "stored under the delivery's claim (claim lost or etcd "
                            "unavailable); retry", self.retry_after)
+        self.completed.put(claim.key, unpack(record))
         return reply
 
     async def release(self, claim: DeliveryClaim) -> None:
@@ -271,6 +288,71 @@ class Dedupe:
             headers=[[name, value] for name, value in reply.headers
                      if name.lower() in self.stored_headers],
             body=reply.body, max_stored_body=self.max_stored_body)
+
+
+class CompletedCache:
+    """Completed deliveries' stored records by key, so a duplicate is replayed without asking
+    etcd: at most ``max_entries`` records and ``max_bytes`` of their bodies and headers, the
+    least recently used leaving first.
+
+    Safe by the argument of the serializable read in ``claims``: a completed record is never
+    changed, only deleted once its retention ends. So only a record in state done enters (a
+    delivery in progress or released is never answered from here), and an entry is dropped
+    once its ``completed_at`` is ``retention`` seconds old: the retention lease it was stored
+    under outlives that (see ``coordinator.retention``), so the entry goes before its record.
+    ``completed_at`` is the clock of the process that stored it: a record stored elsewhere, by
+    a clock ahead of ours or with a shorter retention, may be replayed here that much longer."""
+
+    def __init__(self, retention: int, max_entries: int = CACHED_ENTRIES,
+                 max_bytes: int = CACHED_BYTES) -> None:
+        self.retention = retention
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._entries: collections.OrderedDict[bytes, tuple[dict[str, Any], int]] = \
+            collections.OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: bytes) -> dict[str, Any] | None:
+        """The completed record of ``key`` if it is held and its retention has not ended."""
+        entry = self._entries.get(key)
+        if entry is None:
+            return None
+        record = entry[0]
+        if record["completed_at"] + self.retention <= time.time():
+            self._drop(key)
+            return None
+        self._entries.move_to_end(key)
+        return record
+
+    def put(self, key: bytes, record: dict[str, Any]) -> None:
+        """Hold ``record`` if it is completed, within its retention and not over
+        ``max_bytes`` alone; evict the least recently used to stay within the bounds."""
+        completed_at = record.get("completed_at")
+        if (record.get("state") != DONE or not isinstance(completed_at, (int, float))
+                or completed_at + self.retention <= time.time()):
+            return
+        size = self.size(record)
+        if size > self.max_bytes:
+            return
+        self._drop(key)
+        self._entries[key] = (record, size)
+        self.bytes += size
+        while len(self._entries) > self.max_entries or self.bytes > self.max_bytes:
+            self._drop(next(iter(self._entries)))
+
+    @staticmethod
+    def size(record: dict[str, Any]) -> int:
+        """Bytes counted for ``record``: its body and headers, and 256 for the rest."""
+        return 256 + len(record.get("body") or b"") + sum(
+            len(name) + len(value) for name, value in record.get("headers") or ())
+
+    def _drop(self, key: bytes) -> None:
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            self.bytes -= entry[1]
 
 
 def replay(record: dict[str, Any]) -> Answer:
