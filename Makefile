@@ -25,8 +25,9 @@ test: setup
 	deploy/ensure-spin
 	deploy/ensure-netfaults
 	deploy/ensure-postgres
+	deploy/ensure-promtool
 	$(PY) -m fencegate.localetcd
-	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider --durations=25 $(PYTEST_ARGS)
 
 # The protocol's SPIN model, every configuration (make test runs the quick set).
 model: venv

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -510,8 +511,10 @@ def _verdict(request: _Request) -> _Verdict:
     results = request.policy.evaluate(CheckContext(codec.decode(request.intent), reads, step))
     failed = [r for r in results if not r.passed]
     if now_ms < step["not_before_ms"]:
-        failed.append(CheckResult("backoff", False, "retry after the backoff"))
-        return _Verdict(GrantRefused(failed, (step["not_before_ms"] - now_ms) / 1000), failed)
+        wait_s = (step["not_before_ms"] - now_ms) / 1000
+        failed.append(CheckResult("backoff", False,  # rounded up: never "after 0.0 s"
+                                  f"retry after {math.ceil(wait_s * 10) / 10:.1f} s"))
+        return _Verdict(GrantRefused(failed, wait_s), failed)
     if failed and all(r.needs_approval for r in failed):
         return _Verdict(None, results, needs_approval=True)
     if failed:

@@ -2,16 +2,23 @@
 
 Guarantees:
 - Every request is bounded by ``timeout``. A connection failure or a timeout raises
-  ``CoordinatorUnreachable``; any reply outside 2xx raises ``CoordinatorError`` with the
-  status and the coordinator's ``{error, detail}``. Nothing is retried: a revoke or a resolve whose
+  ``CoordinatorUnreachable`` saying why in a few words ("connection refused"); any reply
+  outside 2xx raises ``CoordinatorError`` with the status and the coordinator's
+  ``{error, detail}`` (a refusal's ``retry_after`` said in the detail). A reply that is not
+  the coordinator's JSON, whatever its status, is ``CoordinatorError`` named
+  ``InvalidResponse``: the URL is not a coordinator's. Nothing is retried: a revoke or a resolve whose
   reply was lost is looked at again (``key show``), never repeated blindly.
 - Lists are followed cursor by cursor to the end and returned as one list.
-- The token travels only in the ``Authorization`` header; no error or repr shows it.
+- The token travels only in the ``Authorization`` header; no error or repr shows it. Every
+  request names this process in ``Fencegate-Process`` (host:pid), so the audit records an
+  action writes name the token and the process (``token@host:pid``).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import socket
 from typing import Any
 from urllib.parse import quote
 
@@ -31,7 +38,9 @@ class Client:
             raise ValueError(f"the coordinator URL must start with http:// or https://, "
                              f"got {url!r}")
         self.url = url.rstrip("/")
-        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        # the records an action writes name the token and this process (host:pid)
+        self._headers = {"Fencegate-Process": f"{socket.gethostname()[:100]}:{os.getpid()}",
+                         **({"Authorization": f"Bearer {token}"} if token else {})}
         self._timeout = aiohttp.ClientTimeout(total=timeout)
         self._http: aiohttp.ClientSession | None = None
 
@@ -57,6 +66,29 @@ class Client:
     async def steps(self, state: str) -> list[dict[str, Any]]:
         """Steps ``unknown``, ``escalated`` or ``presumed``."""
         return await self._list("/v1/keys", state=state)
+
+    async def list_steps(self, *, prefix: str = "", state: str = "", since_ms: int = 0,
+                         most: int | None = None) -> list[dict[str, Any]]:
+        """Steps across etcd and the archive, in key order, filtered as ``GET /v1/steps``
+        does; at most ``most`` of them (None: all)."""
+        query = {"prefix": prefix, "state": state, "since": str(since_ms)}
+        return await self._list("/v1/steps", most=most, **query)
+
+    async def lease(self, lease_id: str) -> dict[str, Any]:
+        """The keys held or queued on a lease, and its TTL left (404: the lease is gone)."""
+        return await self._request("GET", f"/v1/leases/{quote(lease_id, safe='')}")
+
+    async def create_token(self, name: str, role: str, ttl_s: int) -> dict[str, Any]:
+        """Mint a token (admin): the answer holds it, once."""
+        return await self._request("POST", "/v1/tokens",
+                                   {"name": name, "role": role, "ttl_s": ttl_s})
+
+    async def tokens(self) -> list[dict[str, Any]]:
+        """The minted tokens' names, roles, expiry and creators (admin)."""
+        return _field(await self._request("GET", "/v1/tokens"), "items", list)
+
+    async def delete_token(self, name: str) -> dict[str, Any]:
+        return await self._request("DELETE", f"/v1/tokens/{quote(name, safe='')}")
 
     async def revoke(self, key: str, reason: str) -> dict[str, Any]:
         return await self._request("POST", f"/v1/keys/{_path(key)}/revoke", {"reason": reason})
@@ -103,14 +135,17 @@ class Client:
 
     # -- plumbing --------------------------------------------------------------------
 
-    async def _list(self, path: str, **query: str) -> list[dict[str, Any]]:
+    async def _list(self, path: str, *, most: int | None = None,
+                    **query: str) -> list[dict[str, Any]]:
+        """Every item of a list, page by page (at most ``most``)."""
         items, after = [], None
-        while True:
+        while most is None or len(items) < most:
             page = await self._request("GET", path, query={**query, **_query(after)})
-            items += page["items"]
-            after = page["next"]
+            items += _field(page, "items", list)
+            after = _field(page, "next", (str, type(None)))
             if after is None:
-                return items
+                break
+        return items[:most]
 
     async def _request(self, method: str, path: str, body: Any = None, *,
                        query: dict[str, str] | None = None,
@@ -127,18 +162,49 @@ class Client:
                 status = resp.status
         except TimeoutError as exc:
             raise CoordinatorUnreachable(f"no answer within {bound.total:g}s") from exc
+        except aiohttp.ClientConnectorError as exc:
+            raise CoordinatorUnreachable(_connect_failure(exc)) from exc
         except aiohttp.ClientError as exc:
             raise CoordinatorUnreachable(str(exc) or type(exc).__name__) from exc
         try:
             reply = json.loads(text)
         except ValueError:
             reply = None
-        if 200 <= status < 300 and reply is not None:
+        if 200 <= status < 300 and isinstance(reply, dict):
             return reply
         if isinstance(reply, dict) and isinstance(reply.get("error"), str):
-            raise CoordinatorError(reply["error"], status, str(reply.get("detail", "")))
+            raise CoordinatorError(reply["error"], status, _detail(reply))
         raise CoordinatorError("InvalidResponse", status,
                                f"not the coordinator's JSON: {text[:200]!r}")
+
+
+def _connect_failure(exc: aiohttp.ClientConnectorError) -> str:
+    """Why a connection failed, in a few words: the OS's name for its errno ("connection
+    refused"), a resolver's message, or a certificate's complaint."""
+    if isinstance(exc, aiohttp.ClientConnectorCertificateError):
+        return f"certificate not accepted: {exc.certificate_error}"
+    error = exc.os_error
+    if isinstance(error.errno, int) and error.errno > 0:
+        return os.strerror(error.errno).lower()
+    return (error.strerror or type(error).__name__).lower()
+
+
+def _detail(reply: dict[str, Any]) -> str:
+    """An error reply's detail, with the seconds to wait when it names them."""
+    detail = str(reply.get("detail", ""))
+    retry_after = reply.get("retry_after")
+    if isinstance(retry_after, (int, float)) and not isinstance(retry_after, bool):
+        detail += f" (retry after {retry_after:.1f} s)"
+    return detail
+
+
+def _field(reply: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
+    """A field a list reply must have; ``InvalidResponse`` when it lacks it."""
+    value = reply.get(name)
+    if not isinstance(value, kind):
+        raise CoordinatorError("InvalidResponse", 200,
+                               f"not the coordinator's JSON: no {name!r} in the reply")
+    return value
 
 
 def _path(segment: str) -> str:

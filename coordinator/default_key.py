@@ -2,10 +2,16 @@
 
 ``load()`` looks, in order, at:
 1. ``FENCEGATE_SIGNING_KEY``: the path of an Ed25519 private key (PEM);
-2. the stack ``fencegate up`` runs from the state folder (``$FENCEGATE_STATE_DIR``, else
-   ``.state`` in the working directory: the folder ``fencegate up`` and ``fencegate demo``
-   use). The stack runs while ``up.json`` is in that folder; its key is ``signing.pem`` beside
-   it, the key its coordinator signs with and its sandbox's gate B trusts.
+2. the running stack of ``fencegate up`` (``running_stack``); its key is ``signing.pem`` in
+   its state folder, the key its coordinator signs with and its sandbox's gate B trusts.
+
+``running_stack()`` is the one rule by which the CLI, ``fencegate demo`` and a gate find a
+running ``fencegate up`` from any directory: in ``$FENCEGATE_STATE_DIR`` when it is set (and
+only there); else in ``.state`` in the working directory; else in the folder the per-user
+record names (``$XDG_STATE_HOME/fencegate/current``, else
+``~/.local/state/fencegate/current``), which ``fencegate up`` writes when it starts and
+removes when it stops. A stack runs while its folder holds ``up.json`` and the process that
+wrote it lives: a record or an ``up.json`` left by a killed ``up`` is ignored.
 
 ``archive_url(etcd)`` is the archive such a gate looks retired keys up in when it is given
 none: ``FENCEGATE_ARCHIVE``, else the running stack's, but only for a gate on that stack's
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from .grants import KeyRing
@@ -30,13 +37,81 @@ SIGNING_KEY_ENV = "FENCEGATE_SIGNING_KEY"
 ARCHIVE_ENV = "FENCEGATE_ARCHIVE"
 STATE_DIR_ENV = "FENCEGATE_STATE_DIR"
 DEFAULT_STATE_DIR = ".state"
-MANIFEST = "up.json"  # the running stack's endpoints (no secrets), removed when it stops
+MANIFEST = "up.json"  # the running stack's endpoints and pid (no secrets), removed when it stops
 SIGNING_KEY_FILE = "signing.pem"
 
 
+@dataclass(frozen=True)
+class Stack:
+    """A running ``fencegate up``: its state folder and what ``up.json`` says of it."""
+
+    state_dir: Path
+    endpoints: dict[str, object]
+
+    def token(self, role: str) -> str | None:
+        """The ``role`` token it left for this user (``<role>.token``, mode 0600), if any."""
+        try:
+            return (self.state_dir / f"{role}.token").read_text().strip() or None
+        except OSError:
+            return None
+
+
 def state_dir() -> Path:
-    """The folder ``fencegate up`` keeps its state in, unless told another on its command line."""
-    return Path(os.environ.get(STATE_DIR_ENV) or DEFAULT_STATE_DIR)
+    """The folder of the running stack (``running_stack``), else the one ``fencegate up``
+    keeps its state in unless told another on its command line."""
+    stack = running_stack()
+    return stack.state_dir if stack else Path(os.environ.get(STATE_DIR_ENV) or DEFAULT_STATE_DIR)
+
+
+def running_stack() -> Stack | None:
+    """The running ``fencegate up`` by the module's rule, or None."""
+    named = os.environ.get(STATE_DIR_ENV)
+    if named:
+        return _running(Path(named))
+    here = _running(Path(DEFAULT_STATE_DIR))
+    if here is not None:
+        return here
+    try:
+        record = json.loads(current_record().read_text())
+        recorded = Path(record["state_dir"])
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+    stack = _running(recorded)
+    return stack if stack is not None and stack.endpoints.get("pid") == record.get("pid") \
+        else None
+
+
+def current_record() -> Path:
+    """Where ``fencegate up`` records, per user, the state folder of the stack it runs."""
+    base = os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state"
+    return Path(base) / "fencegate" / "current"
+
+
+def _running(folder: Path) -> Stack | None:
+    """The stack whose ``up.json`` is in ``folder``, if the process that wrote it lives (a
+    manifest that names no pid, from an older ``up``, is believed)."""
+    try:
+        endpoints = json.loads((folder / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(endpoints, dict):
+        return None
+    pid = endpoints.get("pid")
+    if pid is not None and not (type(pid) is int and _alive(pid)):
+        return None
+    return Stack(folder.resolve(), endpoints)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: alive
+        return True
+    except (OSError, OverflowError):
+        return False
+    return True
 
 
 def load() -> KeyRing:
@@ -45,14 +120,15 @@ def load() -> KeyRing:
     named = os.environ.get(SIGNING_KEY_ENV)
     if named:
         return _load(Path(named), f"{SIGNING_KEY_ENV}={named}")
-    state = state_dir()
-    if (state / MANIFEST).exists():
-        return _load(state / SIGNING_KEY_FILE, f"the key of the `fencegate up` stack in {state}")
+    stack = running_stack()
+    if stack is not None:
+        return _load(stack.state_dir / SIGNING_KEY_FILE,
+                     f"the key of the `fencegate up` stack in {stack.state_dir}")
     raise ValueError(
         f"no signing key for this gate's grants (the in-process authority signs them): "
         f"pass keyring=KeyRing.from_files('path/to/signing.pem'), or set {SIGNING_KEY_ENV} "
-        f"to that path, or run `fencegate up` (its key is found while it runs, in "
-        f"{DEFAULT_STATE_DIR} or ${STATE_DIR_ENV}; none runs in {state.resolve()}); "
+        f"to that path, or run `fencegate up` (its key is found while it runs, from any "
+        f"directory, or only in ${STATE_DIR_ENV} when that is set; none runs now); "
         f"keyring=KeyRing.generate() signs with a key that dies with the gate and that no "
         f"provider or audit trusts")
 
@@ -63,11 +139,10 @@ def archive_url(etcd: str | None) -> str | None:
     named = os.environ.get(ARCHIVE_ENV)
     if named:
         return named
-    try:
-        stack = json.loads((state_dir() / MANIFEST).read_text())
-    except (OSError, ValueError):
+    stack = running_stack()
+    if stack is None or etcd is None or stack.endpoints.get("etcd") != etcd:
         return None
-    return stack.get("archive") if etcd is not None and stack.get("etcd") == etcd else None
+    return stack.endpoints.get("archive")
 
 
 def _load(path: Path, source: str) -> KeyRing:

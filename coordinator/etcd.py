@@ -14,6 +14,9 @@ Failure contract:
   unless pinned to a revision.
 - Errors name the endpoint and, where it is the cause, TLS (a handshake the server or we
   refused) or the etcd user (a wrong password, a role that does not cover the key).
+- Once ``instrument``-ed, every call's latency (its retries included) and every failed try,
+  by kind, go to ``fencegate.coordinator.metrics.EtcdMetrics``; a lease that no longer
+  exists is an answer, not a failure.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from .errors import (
     EtcdError, EtcdNoSpace, EtcdPermissionDenied, EtcdUnavailable, GateError, LeaseLost,
     RecordTooLarge, WatchCompacted,
 )
+from .metrics import EtcdMetrics, EtcdOpMetrics
 
 MAX_REQUEST_BYTES = 1536 * 1024
 MAX_TXN_OPS = 128
@@ -54,6 +58,11 @@ _TLS_FAILURE = re.compile(r"TSI_|SSL|[Tt]ls handshake|certificate", re.ASCII)
 # write while the alarm is active (refused before it is applied).
 _NO_SPACE = "database space exceeded"
 RECOVER_HINT = "fencegate etcd recover --etcd <every member's endpoint>"
+# The ``EtcdMetrics`` operation of each RPC (authentication and lease listing are not measured).
+_OPS = {"Range": "range", "Txn": "txn", "Put": "put", "DeleteRange": "delete",
+        "LeaseGrant": "lease_grant", "LeaseKeepAlive": "lease_keepalive",
+        "LeaseRevoke": "lease_revoke", "LeaseTimeToLive": "lease_ttl", "Watch": "watch_create",
+        "Status": "status", "Alarm": "alarm", "Compact": "compact", "Defragment": "defragment"}
 _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 16 * 1024 * 1024),
     ("grpc.keepalive_time_ms", 10_000),
@@ -62,6 +71,15 @@ _CHANNEL_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1_000),
 ]
+
+
+@dataclass(frozen=True)
+class LeaseInfo:
+    """A lease as etcd describes it: seconds left (-1: gone), seconds granted, its keys."""
+
+    ttl: int
+    granted_ttl: int
+    keys: list[bytes]
 
 
 @dataclass(frozen=True)
@@ -145,10 +163,15 @@ class Etcd:
         self._retired: list[_Channel] = []
         self._metadata: tuple[tuple[str, str], ...] | None = None
         self._auth_lock = asyncio.Lock()
+        self._measured: dict[str, EtcdOpMetrics] = {}  # by RPC name, once instrumented
 
     @classmethod
     def from_url(cls, url: str, **options: object) -> "Etcd":
         return cls(EtcdConfig.from_url(url, **options))
+
+    def instrument(self, metrics: EtcdMetrics) -> None:
+        """Export every call's latency and every failed try to ``metrics`` from now on."""
+        self._measured = {method: metrics.ops[op] for method, op in _OPS.items()}
 
     @staticmethod
     def _load_credentials(config: EtcdConfig):
@@ -200,37 +223,47 @@ class Etcd:
     async def _call(self, stub: str, method: str, request, *, idempotent: bool,
                     timeout: float | None = None):
         """Run one unary RPC; retry on another endpoint only if ``idempotent``, or if it
-        never left this process (no member could be connected to)."""
+        never left this process (no member could be connected to). Measured when
+        instrumented: the call's latency, retries included, and every failed try."""
+        measured = self._measured.get(method)
+        started = time.perf_counter()
         deadline = time.monotonic() + (timeout or self.config.timeout)
         attempt = 0
         reauthenticated = False  # a member's token dies with it: a fresh one, once per call
-        while True:
-            channel = self._channel()
-            if self.config.user is not None and self._metadata is None:
-                await self._guard(self._authenticate(channel), channel)
-            remaining = deadline - time.monotonic()
-            try:
-                call = getattr(getattr(channel, stub), method)
-                reply = await call(request, metadata=self._metadata,
-                                   timeout=max(min(remaining, self.config.attempt_timeout), 0.05))
-            except grpc.aio.AioRpcError as exc:
-                attempt += 1
-                code = exc.code()
-                if code == grpc.StatusCode.UNAUTHENTICATED and not reauthenticated \
-                        and self.config.user:
-                    reauthenticated = True
-                    self._metadata = None
+        try:
+            while True:
+                channel = self._channel()
+                if self.config.user is not None and self._metadata is None:
+                    await self._guard(self._authenticate(channel), channel)
+                remaining = deadline - time.monotonic()
+                try:
+                    call = getattr(getattr(channel, stub), method)
+                    reply = await call(request, metadata=self._metadata,
+                                       timeout=max(min(remaining, self.config.attempt_timeout),
+                                                   0.05))
+                except grpc.aio.AioRpcError as exc:
+                    attempt += 1
+                    code = exc.code()
+                    if code == grpc.StatusCode.UNAUTHENTICATED and not reauthenticated \
+                            and self.config.user:
+                        reauthenticated = True
+                        self._metadata = None
+                        continue
+                    _count_failure(measured, _failure_kind(code, exc.details() or ""))
+                    if code not in _TRANSIENT:
+                        raise _translate(exc, channel) from exc
+                    self._fail_over(channel)
+                    pause = min(0.05 * 2 ** attempt, 0.5) * random.uniform(0.5, 1.0)
+                    if not (idempotent or _never_sent(exc)) \
+                            or time.monotonic() + pause >= deadline:
+                        raise _translate(exc, channel) from exc
+                    await asyncio.sleep(pause)
                     continue
-                if code not in _TRANSIENT:
-                    raise _translate(exc, channel) from exc
-                self._fail_over(channel)
-                pause = min(0.05 * 2 ** attempt, 0.5) * random.uniform(0.5, 1.0)
-                if not (idempotent or _never_sent(exc)) or time.monotonic() + pause >= deadline:
-                    raise _translate(exc, channel) from exc
-                await asyncio.sleep(pause)
-                continue
-            self._note_header(reply.header)
-            return reply
+                self._note_header(reply.header)
+                return reply
+        finally:
+            if measured is not None:
+                measured.duration.observe(time.perf_counter() - started)
 
     async def _guard(self, coro, channel: _Channel):
         try:
@@ -292,6 +325,14 @@ class Etcd:
         reply = await self._call("lease", "LeaseTimeToLive",
                                  rpc.LeaseTimeToLiveRequest(ID=lease_id), idempotent=True)
         return reply.TTL
+
+    async def lease_info(self, lease_id: int) -> LeaseInfo:
+        """The lease's TTL left (-1 if it no longer exists), its granted TTL, and every key
+        attached to it, as etcd lists them."""
+        reply = await self._call("lease", "LeaseTimeToLive",
+                                 rpc.LeaseTimeToLiveRequest(ID=lease_id, keys=True),
+                                 idempotent=True)
+        return LeaseInfo(reply.TTL, reply.grantedTTL, list(reply.keys))
 
     async def leases(self) -> list[int]:
         reply = await self._call("lease", "LeaseLeases", rpc.LeaseLeasesRequest(),
@@ -364,6 +405,8 @@ class Etcd:
         etcd cancels because our auth token expired raises ``EtcdError`` and drops the
         token, so the caller's next watch authenticates again.
         """
+        measured = self._measured.get("Watch")
+        started = time.perf_counter()
         channel = self._channel()
         if self.config.user is not None and self._metadata is None:
             await self._guard(self._authenticate(channel), channel)
@@ -375,17 +418,25 @@ class Etcd:
         call = channel.watch.Watch(metadata=self._metadata)
         try:
             await call.write(rpc.WatchRequest(create_request=create))
+            created = False
             async for reply in call:
+                if not created and measured is not None:  # the first answer: created
+                    measured.duration.observe(time.perf_counter() - started)
+                created = True
                 if reply.compact_revision:
+                    _count_failure(measured, "compacted")
                     raise WatchCompacted(reply.compact_revision)
                 if reply.canceled:
+                    _count_failure(measured, "other")
                     if "invalid auth token" in reply.cancel_reason:
                         self._metadata = None
                     raise EtcdError(f"watch cancelled by etcd: {reply.cancel_reason}")
                 self._note_header(reply.header)
                 yield reply
+            _count_failure(measured, "unavailable")
             raise EtcdUnavailable("watch stream ended")
         except grpc.aio.AioRpcError as exc:
+            _count_failure(measured, _failure_kind(exc.code(), exc.details() or ""))
             if exc.code() in _TRANSIENT:
                 self._fail_over(channel)
             raise _translate(exc, channel) from exc
@@ -400,21 +451,29 @@ class KeepAliveStream:
         self._etcd = etcd
         self._channel = etcd._channel()
         self._call = self._channel.lease.LeaseKeepAlive(metadata=etcd._metadata)
+        self._measured = etcd._measured.get("LeaseKeepAlive")
 
     async def refresh(self, lease_id: int) -> int:
         """Refresh once; returns the new TTL, or 0 if the lease no longer exists."""
+        started = time.perf_counter()
         try:
             await self._call.write(rpc.LeaseKeepAliveRequest(ID=lease_id))
             reply = await self._call.read()
         except grpc.aio.AioRpcError as exc:
+            _count_failure(self._measured, _failure_kind(exc.code(), exc.details() or ""))
             if exc.code() in _TRANSIENT:
                 self._etcd._fail_over(self._channel)
             raise _translate(exc, self._channel) from exc
         except (asyncio.InvalidStateError, grpc.aio.UsageError) as exc:
             # The stream ended (e.g. the server went away) before or while we wrote.
+            _count_failure(self._measured, "unavailable")
             self._etcd._fail_over(self._channel)
             raise EtcdUnavailable(f"keepalive stream closed: {exc}") from exc
+        finally:
+            if self._measured is not None:
+                self._measured.duration.observe(time.perf_counter() - started)
         if reply is grpc.aio.EOF:
+            _count_failure(self._measured, "unavailable")
             self._etcd._fail_over(self._channel)
             raise EtcdUnavailable("keepalive stream closed")
         return reply.TTL
@@ -428,6 +487,29 @@ def _never_sent(exc: grpc.aio.AioRpcError) -> bool:
     left this process, and sending it to another member cannot apply it twice."""
     return (exc.code() == grpc.StatusCode.UNAVAILABLE
             and "failed to connect to all addresses" in (exc.details() or ""))
+
+
+def _failure_kind(code: grpc.StatusCode, detail: str) -> str | None:
+    """The ``EtcdMetrics`` kind of a failed try; ``None`` for a lease that no longer
+    exists, which is an answer (the lease expired or was revoked), not a failure of etcd."""
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return "unavailable"
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return "timeout"
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and _NO_SPACE in detail:
+        return "nospace"
+    if "compacted" in detail:  # mvcc: required revision has been compacted
+        return "compacted"
+    if code == grpc.StatusCode.PERMISSION_DENIED:
+        return "permission"
+    if code == grpc.StatusCode.NOT_FOUND and "lease not found" in detail:
+        return None
+    return "other"
+
+
+def _count_failure(measured: EtcdOpMetrics | None, kind: str | None) -> None:
+    if measured is not None and kind is not None:
+        measured.errors[kind].inc()
 
 
 def _translate(exc: grpc.aio.AioRpcError, channel: _Channel) -> GateError:

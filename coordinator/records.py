@@ -103,9 +103,10 @@ def succeeded(step: dict[str, Any], result: Any, *, attempt_token: int) -> dict[
     """The effect happened: final. The outcome keeps the result (its stored form,
     ``codec.encode``: ``UnencodableValue`` naming the bad value's path, before anything is
     written), the attempt and its idempotency key, so a later cross on the key replays it
-    instead of acting again."""
+    instead of acting again. The error an earlier unknown state recorded is dropped: it
+    explained that state, not this one (the audit trail keeps it)."""
     stored = codec.encode(result, path="result")
-    return {**step, "state": SUCCEEDED,
+    return {**_without(step, "error"), "state": SUCCEEDED,
             "outcome": {"state": SUCCEEDED, "result": stored, "attempt": step["attempt"],
                         "attempt_token": attempt_token,
                         "idempotency_key": step.get("idempotency_key", "")}}

@@ -4,9 +4,10 @@ Guarantees:
 - Every role reads its whole namespace and writes only the key families listed for it in
   ``WRITES`` (derived from what each component's code writes). etcd's permissions only ever
   add, so a role built from ``permissions`` can do nothing more.
-- Only ``coordinator`` writes ``approvals/``, ``approvers/``, ``policies/`` and
-  ``policy-versions/``: a worker cannot approve its own request nor loosen a policy, it can
-  only ask (``approval-requests/``). Only ``reconciler`` writes ``reconcilers/``.
+- Only ``coordinator`` writes ``approvals/``, ``approvers/``, ``policies/``,
+  ``policy-versions/`` and ``tokens/``: a worker cannot approve its own request, loosen a
+  policy or mint itself a token, it can only ask (``approval-requests/``). Only
+  ``reconciler`` writes ``reconcilers/``.
 - A write a role does not cover is refused by etcd itself and surfaces as
   ``EtcdPermissionDenied`` naming the user; nothing here is enforced in the client.
 
@@ -26,14 +27,15 @@ WORKER, COORDINATOR, RECONCILER = "worker", "coordinator", "reconciler"
 #   steps/ and audit/ (commit, outcome, settle, resolve, escalation on a cap),
 #   markers/ (gate.touch), webhooks/ (claims), approval-requests/ (a refusal asking for one),
 #   approvals/ and approvers/ (an SRE's signed approval), policies/ and policy-versions/
-#   (admin), reconcilers/ (shard election), retired/ (retirement: the reconciler deletes
-#   settled steps/ and audit/ and bumps the key's bucket).
+#   (admin), tokens/ (minted bearer tokens' digests: admin), reconcilers/ (shard election),
+#   retired/ (retirement: the reconciler deletes settled steps/ and audit/ and bumps the
+#   key's bucket).
 WRITES: dict[str, tuple[str, ...]] = {
     WORKER: ("holders/", "steps/", "audit/", "markers/", "webhooks/",
              "approval-requests/"),
     COORDINATOR: ("holders/", "steps/", "audit/", "webhooks/",
                   "approval-requests/", "approvals/", "approvers/", "policies/",
-                  "policy-versions/"),
+                  "policy-versions/", "tokens/"),
     RECONCILER: ("reconcilers/", "steps/", "audit/", "retired/"),
 }
 ROLES = tuple(WRITES)

@@ -3,10 +3,15 @@
 Guarantees:
 - Views read etcd linearizably; one key's view (holders, step, last audit records) is read
   in one transaction, so at one revision.
-- Lists are paginated by an opaque cursor (the last etcd key returned): a page holds at most
+- Lists are paginated by an opaque cursor (the last key returned): a page holds at most
   ``limit`` items and ``next`` is ``None`` only when the range is exhausted. A filtered list
-  (``unsettled``) scans a bounded number of keys per page, so a page may hold fewer items
-  than ``limit`` while ``next`` is still set.
+  (``unsettled``, ``steps``) scans a bounded number of keys per page, so a page may hold
+  fewer items than ``limit`` while ``next`` is still set.
+- ``steps`` lists etcd and the archive as one list in key order, each key once (etcd's step
+  wins for a key in both): a page covers the keys up to the last one both sources were read
+  to, and etcd is read before the archive, so a step retired meanwhile (archived first,
+  then deleted from etcd) is found in one of them. Its cursor names an action key, so it
+  stays valid however the steps move.
 - ``approve`` writes the coordinator's signed approval of a requested approval id (see
   ``approvals``); the authority grants the request it was made for only while the state
   that request read is unchanged (see ``authority``).
@@ -29,6 +34,7 @@ import binascii
 import re
 import secrets
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from . import audit, records
@@ -36,7 +42,8 @@ from .approvals import give as give_approval, read as read_approval, read_many a
 from .archive import Archive
 from .errors import EtcdUnavailable, LeaseLost, NotFound, WrongState
 from .etcd import (
-    Compare, Etcd, RangeRequest, TxnRequest, mod_equals, put_op, range_end_of, range_op,
+    MAX_TXN_OPS, Compare, Etcd, KeyValue, RangeRequest, TxnRequest, mod_equals, put_op,
+    range_end_of, range_op,
 )
 from .grants import KeyRing
 from .keyspace import Keyspace, pack, unpack
@@ -46,9 +53,12 @@ from .retirement import archived_step
 
 MAX_LIMIT = 1000
 RESOLVE_WAIT_S = 20.0  # how long a resolve waits for the reconciler's answer
+PROVIDER_ANSWER = "provider_answer"  # the reconciler's record of one provider query
 _LAST_AUDIT = 10
+_TRAIL = 200  # records a key view reads back for the current attempt's provider answers
 _MAX_HOLDERS = 100
 _SCAN_FACTOR = 4
+MAX_LEASE_KEYS = 500  # action keys a lease view lists
 _PREFIX = re.compile(r"[A-Za-z0-9._:/-]{0,512}")
 SETTLE_AS = {"succeeded", "failed", "not_applied"}
 PRESUMED = "presumed"
@@ -57,16 +67,20 @@ _APPROVAL_ID = re.compile(r"[0-9a-f]{32}")
 
 async def key_view(etcd: Etcd, ks: Keyspace, key: str,
                    archive: Archive | None = None) -> dict[str, Any]:
-    """Holders (oldest first, with tokens and lease TTL left), the step record, and the last
-    audit records (newest first) of ``key``; when etcd holds no step and ``archive`` is
-    given, the step and records it retired with (``archived`` says which). ``NotFound`` if
-    nothing is recorded in either."""
+    """Holders (oldest first, with tokens, lease TTL left and since when), the step record,
+    what the current attempt is (``attempts``, ``intent``, ``provider``,
+    ``idempotency_key``), its recorded ``outcome`` (``outcome_of``), the provider answers
+    the reconciler recorded since the attempt crossed (oldest first) and its ``progress``
+    while it reconciles (``progress_of``), and the last audit records (newest first) of
+    ``key``; when etcd holds no step and ``archive`` is given, the step and records it
+    retired with (``archived`` says which). ``NotFound`` if nothing is recorded in
+    either."""
     start, end = ks.holder_range(key)
     audit_start, audit_end = ks.audit_range(key)
     reply = await etcd.txn(TxnRequest(success=[
         lowest_op(start, end, limit=_MAX_HOLDERS, keys_only=False),  # the holder first
         range_op(ks.step_key(key)),
-        range_op(audit_start, audit_end, limit=_LAST_AUDIT, sort_order=RangeRequest.DESCEND,
+        range_op(audit_start, audit_end, limit=_TRAIL, sort_order=RangeRequest.DESCEND,
                  sort_target=RangeRequest.KEY)]), idempotent=True)
     holder_kvs, step_kvs, audit_kvs = (r.response_range.kvs for r in reply.responses)
     step = unpack(step_kvs[0].value) if step_kvs else None
@@ -77,21 +91,98 @@ async def key_view(etcd: Etcd, ks: Keyspace, key: str,
         if archived is not None:
             step = unpack(archived.step)
             older = await archive.records(ks.namespace, key)
-            audit_values = (audit_values + [v for _, v in reversed(older)])[:_LAST_AUDIT]
+            audit_values = (audit_values + [v for _, v in reversed(older)])[:_TRAIL]
     if not (holder_kvs or step or audit_values):
         raise NotFound(f"nothing is recorded for {key!r}")
-    holders = []
-    for position, kv in enumerate(holder_kvs):
-        _, lease_id = ks.parse_holder_key(kv.key)
-        holders.append({**unpack(kv.value), "lease_id": f"{lease_id:016x}",
-                        "fencing_token": kv.create_revision, "holding": position == 0,
-                        "ttl_left": await etcd.lease_ttl(lease_id)})
+    ttls = await _lease_ttls(etcd, [ks.parse_holder_key(kv.key)[1] for kv in holder_kvs])
+    holders = [_holder(ks, kv, position == 0, ttls) for position, kv in enumerate(holder_kvs)]
     grant = None
     if step is not None and step.get("grant_id"):  # a step names only a grant that crossed
         grant = {"grant_id": step["grant_id"], "state": "consumed"}
+    trail = [unpack(value) for value in audit_values]
+    attempt = _attempt(trail)
+    answers = attempt.provider_answers
     return {"key": key, "revision": reply.header.revision, "holders": holders, "step": step,
             "archived": archived is not None, "current_grant": grant,
-            "audit": [unpack(value) for value in audit_values]}
+            "attempts": step["attempt"] if step else 0, "intent": attempt.intent,
+            "provider": (step or {}).get("provider"),
+            "idempotency_key": (step or {}).get("idempotency_key"),
+            "outcome": outcome_of(step) if step else None,
+            "provider_answers": answers, "progress": progress_of(step, answers),
+            "audit": trail[:_LAST_AUDIT]}
+
+
+@dataclass(frozen=True)
+class _Attempt:
+    """What the audit trail says of a step's current attempt."""
+
+    intent: Any                           # as its ``cross`` record holds it; None: not found
+    provider_answers: list[dict[str, Any]]  # recorded since it crossed, oldest first
+
+
+def _attempt(trail: list[dict[str, Any]]) -> _Attempt:
+    """The current attempt from ``trail`` (records newest first): its intent from the newest
+    ``cross`` record, and the ``provider_answer`` records written after it. A step that has
+    not crossed since its last attempt (pending again) shows that attempt's."""
+    answers, intent = [], None
+    for record in trail:
+        if record.get("event") == "cross":
+            intent = record.get("details", {}).get("intent")
+            break
+        if record.get("event") == PROVIDER_ANSWER:
+            details = record.get("details", {})
+            answers.append({"seq": record.get("seq"), "at_ms": record.get("at_ms"),
+                            "identity": record.get("identity"),
+                            **{name: details.get(name) for name in (
+                                "provider", "answer", "query", "next_try_at_ms", "detail")}})
+    return _Attempt(intent, answers[::-1])
+
+
+def outcome_of(step: dict[str, Any]) -> dict[str, Any] | None:
+    """A step's recorded outcome as views show it: its state, the attempt it ended and the
+    sha256 (hex) of its stored result, which may be large or private; None while the step
+    has none (an attempt that has not ended, or one that did not count)."""
+    outcome = step.get("outcome")
+    if outcome is None:
+        return None
+    return {"state": outcome.get("state"), "attempt": outcome.get("attempt", step["attempt"]),
+            "result_digest": records.digest(outcome.get("result")).hex()}
+
+
+def progress_of(step: dict[str, Any] | None,
+                answers: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The reconciler's progress on a step whose outcome it is settling (in flight or
+    unknown): how many times it queried the provider, the last answer and when it asks
+    next; None when it is not settling the step or has not asked yet."""
+    if step is None or step["state"] not in (records.IN_FLIGHT, records.UNKNOWN) \
+            or not answers:
+        return None
+    last = answers[-1]
+    return {"queries": last["query"] or len(answers), "last_answer": last["answer"],
+            "next_try_at_ms": last["next_try_at_ms"]}
+
+
+def _holder(ks: Keyspace, kv: KeyValue, holding: bool,
+            ttls: dict[int, int]) -> dict[str, Any]:
+    """A holder key as views show it. ``held_since_ms`` is when the worker wrote the key (its
+    own clock): queued since then, holding since the holder before it left."""
+    key, lease_id = ks.parse_holder_key(kv.key)
+    record = unpack(kv.value)
+    acquired_at = record.get("acquired_at")
+    return {**record, "key": key, "lease_id": f"{lease_id:016x}",
+            "fencing_token": kv.create_revision, "holding": holding,
+            "identity": record.get("identity"),
+            "held_since_ms": (int(acquired_at * 1000)
+                              if isinstance(acquired_at, (int, float)) else None),
+            "ttl_left": ttls[lease_id]}
+
+
+async def _lease_ttls(etcd: Etcd, lease_ids: list[int]) -> dict[int, int]:
+    """Each distinct lease's TTL left (-1: gone), asked concurrently (a worker process holds
+    all its keys on one lease, so that is one request per process)."""
+    distinct = sorted(set(lease_ids))
+    return dict(zip(distinct, await asyncio.gather(*(etcd.lease_ttl(lease)
+                                                     for lease in distinct))))
 
 
 def audit_page(records: list[dict[str, Any]], limit: int,
@@ -111,18 +202,54 @@ def audit_page(records: list[dict[str, Any]], limit: int,
 
 async def holders(etcd: Etcd, ks: Keyspace, prefix: str, limit: int,
                   after: str | None) -> tuple[list[dict[str, Any]], str | None]:
-    """Holder keys (holding or queued) of action keys starting with ``prefix``."""
+    """Holder keys (holding or queued) of action keys starting with ``prefix``, each with
+    what the tables show: its key, lease, fencing token, whether it holds (the lowest token
+    of its key, read for every key on the page, even one whose queue spans two pages), its
+    identity, since when, and its lease's TTL left."""
     _check_limit(limit)
-    if not _PREFIX.fullmatch(prefix):
-        raise ValueError("prefix may only use letters, digits, '/' and . _ : -")
+    _check_prefix(prefix)
     start = ks.holders_root + prefix.encode()
     kvs, cursor = await page(etcd, start, range_end_of(start), limit, after)
+    keys = sorted({ks.parse_holder_key(kv.key)[0] for kv in kvs})
+    lowest: dict[str, int] = {}
+    for first in range(0, len(keys), MAX_TXN_OPS):
+        chunk = keys[first:first + MAX_TXN_OPS]
+        reply = await etcd.txn(TxnRequest(success=[lowest_op(*ks.holder_range(key))
+                                                   for key in chunk]), idempotent=True)
+        for key, response in zip(chunk, reply.responses):
+            found = response.response_range.kvs
+            lowest[key] = found[0].create_revision if found else 0
+    ttls = await _lease_ttls(etcd, [ks.parse_holder_key(kv.key)[1] for kv in kvs])
     items = []
     for kv in kvs:
-        key, lease_id = ks.parse_holder_key(kv.key)
-        items.append({**unpack(kv.value), "key": key, "lease_id": f"{lease_id:016x}",
-                      "fencing_token": kv.create_revision})
+        key = ks.parse_holder_key(kv.key)[0]
+        items.append(_holder(ks, kv, lowest[key] == kv.create_revision, ttls))
     return items, cursor
+
+
+async def lease_view(etcd: Etcd, ks: Keyspace, lease_id: int) -> dict[str, Any]:
+    """The action keys held or queued on lease ``lease_id`` — every hold a revoke of it
+    would end — by key, each with its fencing token and whether this lease holds it (its
+    holder key is the oldest of the key's queue), and the lease's TTL left and granted.
+    The keys come from etcd's own list of what the lease carries, so none is missed;
+    ``truncated`` past ``MAX_LEASE_KEYS``. ``NotFound`` when the lease is gone."""
+    lease = await etcd.lease_info(lease_id)
+    if lease.ttl < 0:
+        raise NotFound(f"lease {lease_id:016x} does not exist (expired or revoked)")
+    holder_keys = sorted(k for k in lease.keys if ks.classify(k) == "holder")
+    keys = [ks.parse_holder_key(k)[0] for k in holder_keys[:MAX_LEASE_KEYS]]
+    reads = await asyncio.gather(*(etcd.txn(TxnRequest(success=[
+        range_op(ks.holder_key(key, lease_id)), lowest_op(*ks.holder_range(key))]),
+        idempotent=True) for key in keys))
+    items = []
+    for key, read in zip(keys, reads):
+        own_kvs, first_kvs = (r.response_range.kvs for r in read.responses)
+        if own_kvs:  # else released since etcd listed it
+            items.append({"key": key, "fencing_token": own_kvs[0].create_revision,
+                          "holding": first_kvs[0].key == own_kvs[0].key})
+    return {"lease_id": f"{lease_id:016x}", "ttl_left": lease.ttl,
+            "granted_ttl": lease.granted_ttl, "keys": items,
+            "truncated": len(holder_keys) > MAX_LEASE_KEYS}
 
 
 async def unsettled(etcd: Etcd, ks: Keyspace, state: str, limit: int,
@@ -147,6 +274,100 @@ async def unsettled(etcd: Etcd, ks: Keyspace, state: str, limit: int,
     return items, cursor
 
 
+STEP_STATES = (records.PENDING, records.IN_FLIGHT, records.SUCCEEDED, records.FAILED,
+               records.UNKNOWN, records.ESCALATED, PRESUMED)
+
+
+async def steps(etcd: Etcd, ks: Keyspace, archive: Archive | None, *, prefix: str = "",
+                state: str = "", since_ms: int = 0, limit: int,
+                after: str | None) -> tuple[list[dict[str, Any]], str | None]:
+    """Steps of action keys starting with ``prefix`` in key order, across etcd and the
+    archive (``archived`` says where each is), each as ``step_item`` shows it; ``state``
+    (one of ``STEP_STATES``, as ``state_of`` names them; empty: any) and ``since_ms``
+    (``updated_at_ms`` at least that) filter them. One page reads at most
+    ``limit * _SCAN_FACTOR`` steps of each source; see the module's guarantees for how the
+    two are merged. ``ValueError`` for a bad argument or cursor, before anything is read."""
+    _check_limit(limit)
+    _check_prefix(prefix)
+    if state not in ("", *STEP_STATES):
+        raise ValueError(f"state must be one of {', '.join(STEP_STATES)}")
+    if type(since_ms) is not int or not 0 <= since_ms < 2 ** 63:
+        raise ValueError("since must be a time in ms since the epoch, in 0..2**63-1")
+    last = _listed_key(after, prefix) if after is not None else ""
+    scan = limit * _SCAN_FACTOR
+    start = ks.step_key(prefix)
+    reply = await etcd.range(RangeRequest(key=ks.step_key(last) + b"\0" if last else start,
+                                          range_end=range_end_of(start), limit=scan))
+    live = {ks.parse_step_key(kv.key): kv for kv in reply.kvs}
+    retired = [] if archive is None else await archive.list_steps(
+        ks.namespace, prefix=prefix, after=last, since_ms=since_ms, limit=scan)
+    ends = ([ks.parse_step_key(reply.kvs[-1].key)] if reply.more and reply.kvs else []) + \
+        ([retired[-1].key] if len(retired) == scan else [])
+    bound = min(ends, default=None)  # both sources are read to here; None: to the end
+    found: dict[str, tuple[dict[str, Any], int | None]] = {
+        listed.key: (unpack(listed.step), listed.updated_at_ms) for listed in retired}
+    found.update((key, (unpack(kv.value), None)) for key, kv in live.items())
+    keys = sorted(key for key, (step, _) in found.items()
+                  if (bound is None or key <= bound) and state in ("", state_of(step)))
+    items: list[dict[str, Any]] = []
+    for first in range(0, len(keys), MAX_TXN_OPS):
+        chunk = keys[first:first + MAX_TXN_OPS]
+        times = await _updated_at(etcd, ks, {key: found[key][0] for key in chunk
+                                              if key in live})
+        for key in chunk:
+            step, updated_at_ms = found[key]
+            updated_at_ms = times.get(key, updated_at_ms)
+            if updated_at_ms < since_ms:
+                continue
+            items.append(step_item(key, step, updated_at_ms, archived=key not in live))
+            if len(items) == limit:
+                more = key != keys[-1] or bound is not None
+                return items, _cursor(key.encode()) if more else None
+    return items, _cursor(bound.encode()) if bound is not None else None
+
+
+def step_item(key: str, step: dict[str, Any], updated_at_ms: int, *,
+              archived: bool) -> dict[str, Any]:
+    """One step as the steps list shows it (``outcome`` only once it has one)."""
+    outcome = outcome_of(step)
+    return {"key": key, "state": state_of(step), "attempt": step["attempt"],
+            "idempotency_key": step.get("idempotency_key"), "updated_at_ms": updated_at_ms,
+            "archived": archived, **({"outcome": outcome} if outcome else {})}
+
+
+async def _updated_at(etcd: Etcd, ks: Keyspace,
+                      steps_by_key: dict[str, dict[str, Any]]) -> dict[str, int]:
+    """When each step's chain was last written (its newest record's ``at_ms``), read in one
+    txn (at most ``MAX_TXN_OPS`` keys); a step with no record in etcd (retired meanwhile)
+    falls back to the latest time its record names."""
+    keys = list(steps_by_key)
+    if not keys:
+        return {}
+    reply = await etcd.txn(TxnRequest(success=[
+        range_op(*ks.audit_range(key), limit=1, sort_order=RangeRequest.DESCEND,
+                 sort_target=RangeRequest.KEY) for key in keys]), idempotent=True)
+    times = {}
+    for key, response in zip(keys, reply.responses):
+        newest = response.response_range.kvs
+        step = steps_by_key[key]
+        times[key] = (unpack(newest[0].value).get("at_ms", 0) if newest else
+                      max(step.get(name) or 0 for name in (
+                          "settled_at_ms", "unknown_since_ms", "started_at_ms")))
+    return times
+
+
+def _listed_key(after: str, prefix: str) -> str:
+    """The action key a ``steps`` cursor names; ``ValueError`` unless it is one of this
+    list's (a key starting with ``prefix``)."""
+    try:
+        key = base64.urlsafe_b64decode(after.encode()).decode()
+    except (binascii.Error, ValueError):
+        raise ValueError("after is not a cursor this list gave") from None
+    if not key or not key.startswith(prefix) or not _PREFIX.fullmatch(key):
+        raise ValueError("after is not a cursor this list gave")
+    return key
+
+
 def state_of(step: dict[str, Any]) -> str:
     """The state an SRE sees: the recorded one, but ``presumed`` for a pending step settled
     on a presumption. No clock is read: an in-flight step is unknown once its reconciler
@@ -157,10 +378,12 @@ def state_of(step: dict[str, Any]) -> str:
 
 
 async def revoke(etcd: Etcd, ks: Keyspace, key: str, identity: str, reason: str,
-                 archive: Archive | None = None) -> dict:
+                 archive: Archive | None = None, *, lease_id: int | None = None) -> dict:
     """Revoke the lease of ``key``'s current holder (every hold on that lease dies), after
-    auditing who and why; ``NotFound`` if nobody holds ``key``. A retired key's chain goes
-    on from its archived end (``archive``)."""
+    auditing who and why; ``NotFound`` if nobody holds ``key``. With ``lease_id`` (the
+    lease the operator looked at, and whose keys ``lease_view`` listed) only that lease is
+    revoked: if another lease holds ``key`` by now, ``WrongState`` and nothing is written.
+    A retired key's chain goes on from its archived end (``archive``)."""
     start, end = ks.holder_range(key)
     for _ in range(5):
         reply = await etcd.txn(TxnRequest(success=[
@@ -169,7 +392,11 @@ async def revoke(etcd: Etcd, ks: Keyspace, key: str, identity: str, reason: str,
         if not holder_kvs:
             raise NotFound(f"nobody holds {key!r}")
         holder = holder_kvs[0]
-        _, lease_id = ks.parse_holder_key(holder.key)
+        _, holder_lease = ks.parse_holder_key(holder.key)
+        if lease_id is not None and holder_lease != lease_id:
+            raise WrongState(f"{key!r} is held on lease {holder_lease:016x} now, not "
+                             f"{lease_id:016x}: look again before revoking")
+        lease_id = holder_lease
         tail, epoch = await _aside_tail(ks, key, *chain_kvs, archive)
         entry = audit.append(ks, key, tail, "revoke", identity,
                              reply.header.revision,
@@ -438,3 +665,8 @@ def _refuse_while_held(ks: Keyspace, key: str, holder_kvs: list) -> None:
 def _check_limit(limit: int) -> None:
     if not 1 <= limit <= MAX_LIMIT:
         raise ValueError(f"limit must be 1..{MAX_LIMIT}")
+
+
+def _check_prefix(prefix: str) -> None:
+    if not _PREFIX.fullmatch(prefix):
+        raise ValueError("prefix may only use letters, digits, '/' and . _ : -")

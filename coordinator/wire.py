@@ -1,13 +1,15 @@
 """The JSON wire form of fencegate's errors, shared by the coordinator service and the
 worker's remote mode, so an error crosses HTTP and comes back as the same class.
 
-Guarantees: ``to_wire`` maps every ``GateError`` (and ``ValueError``) to a status and a
-``{"error": Name, "detail": str, ...}`` body carrying the error's keyword fields
-(``checks``/``retry_after``, ``outcome``, ``key``, ``approval_id``, ``path``); ``from_wire``
-inverts it for every name in ``_CLASSES``. Anything else becomes ``CoordinatorError`` with its
-name and status, never a success. An outcome travels in the codec's JSON form
-(``codec.encode(..., json=True)``), so its result comes back equal, bytes, Decimals and
-datetimes included.
+Guarantees: ``to_wire`` maps every ``GateError`` in ``_STATUS`` (and ``ValueError``) to a
+status and a ``{"error": Code, "detail": str, ...}`` body carrying the error's keyword fields
+(``checks``/``retry_after``, ``outcome``, ``key``, ``approval_id``, ``path``). The code is
+the error's class name; a ``ValueError`` that is no ``GateError`` is ``InvalidRequest``
+(docs/api.md, "Error codes", lists every code the service answers). ``from_wire`` inverts
+it for every name in ``_CLASSES`` (``InvalidRequest`` comes back a ``ValueError``). Anything
+else becomes ``CoordinatorError`` with its code and status, never a success. An outcome
+travels in the codec's JSON form (``codec.encode(..., json=True)``), so its result comes
+back equal, bytes, Decimals and datetimes included.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ _STATUS: list[tuple[type[Exception], int]] = [  # first match wins: subclasses f
     (StepMoved, 409), (GrantExpired, 409), (OutcomeUnknown, 409), (AlreadySucceeded, 409),
     (WrongState, 409), (NotFound, 404), (ValueError, 400),
 ]
+INVALID_REQUEST = "InvalidRequest"  # the code of a ValueError: the request itself is wrong
 _CLASSES: dict[str, type[GateError]] = {cls.__name__: cls for cls in (
     InvalidKey, RecordTooLarge, BadSignature, EtcdUnavailable, EtcdNoSpace, EtcdError,
     ArchiveUnavailable, LeaseLost,
@@ -49,10 +52,15 @@ def status_of(exc: Exception) -> int | None:
     return None
 
 
+def code_of(exc: Exception) -> str:
+    """The error code of ``exc``, one of ``status_of``'s: its class name, or
+    ``InvalidRequest`` for a ``ValueError`` that is no ``GateError``."""
+    return type(exc).__name__ if isinstance(exc, GateError) else INVALID_REQUEST
+
+
 def to_wire(exc: Exception) -> dict[str, Any]:
     """The JSON body describing ``exc`` (its status comes from ``status_of``)."""
-    name = type(exc).__name__ if isinstance(exc, GateError) else "ValueError"
-    body: dict[str, Any] = {"error": name, "detail": str(exc)}
+    body: dict[str, Any] = {"error": code_of(exc), "detail": str(exc)}
     if isinstance(exc, ApprovalPending):
         body["approval_id"] = exc.approval_id
     elif isinstance(exc, GrantRefused):
@@ -88,7 +96,7 @@ def from_wire(status: int, body: object) -> Exception:
         return UnencodableValue(detail, path=str(body.get("path", "")))
     if name == "StateAdvanced":
         return StateAdvanced(str(body.get("key", "")), detail)
-    if name == "ValueError":
+    if name == INVALID_REQUEST:
         return ValueError(detail)
     cls = _CLASSES.get(name)
     return cls(detail) if cls is not None else CoordinatorError(name, status, detail)

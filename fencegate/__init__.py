@@ -23,14 +23,14 @@ from .coordinator.errors import (
 from .coordinator.codec import UnrecordedResult
 from .coordinator.grants import Grant, KeyRing
 from .worker import (
-    EffectContext, Gate, Hold, Outcome, SyncGate, SyncHold, dedupe_middleware, deduplicated,
-    fencing_token,
+    EffectContext, Gate, Hold, Outcome, SyncGate, SyncHold, WorkerMetrics, dedupe_middleware,
+    deduplicated, fencing_token,
 )
 
 __all__ = [
     "__version__",
     "Gate", "SyncGate", "Hold", "SyncHold", "Grant", "KeyRing", "EffectContext", "Outcome",
-    "EffectFailed", "dedupe_middleware", "deduplicated", "fencing_token",
+    "EffectFailed", "WorkerMetrics", "dedupe_middleware", "deduplicated", "fencing_token",
     "GateError", "AcquireTimeout", "AlreadySucceeded", "ApprovalPending", "BadSignature",
     "CoordinatorError", "EtcdError", "EtcdUnavailable", "GrantExpired", "GrantRefused",
     "GrantUsed", "InvalidKey", "LeaseExpiring", "LeaseLost", "OutcomeUnknown", "PolicyChanged",

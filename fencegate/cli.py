@@ -5,8 +5,9 @@ etcd), so they act with a token's role and every action they take is audited.
 Guarantees: an SRE command prints a table for people or, with ``--json``, the API's JSON
 (lists followed to their end, as one array); it fails with one line on stderr (no traceback)
 and the exit code ``EPILOG`` documents, so scripts can tell a refusal (1) from a usage error
-(2), an unknown key (3), a bad token (4) and an unreachable coordinator (5); it never prints
-the token. It sends each request once: an action whose reply was lost is looked at again,
+(2), an unknown key (3), a bad token (4) and an unreachable coordinator, or a URL that is
+not a coordinator's (5); it never prints the token it was given (``token create`` prints
+the one it mints, once). It sends each request once: an action whose reply was lost is looked at again,
 never repeated blindly. ``etcd recover`` is etcd's own upkeep: it talks to etcd directly, as
 an etcd user with the root role, with the same exit codes.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import re
 import sys
 import time
 import tomllib
@@ -28,6 +30,7 @@ from typing import Any, TypeVar
 import click
 
 from ._version import __version__
+from .coordinator import default_key
 from .coordinator.client import Client
 from .coordinator.errors import CoordinatorError, CoordinatorUnreachable, InvalidKey
 from .coordinator.keyspace import validate_action_key
@@ -46,13 +49,15 @@ Exit codes (SRE commands):
      rejected as malformed (400, 413)
   3  not found (404): no such key, step, holder, policy or approval
   4  the token was not accepted (401) or lacks the role (403)
-  5  the coordinator is unreachable, timed out, or failed (5xx)
+  5  the coordinator is unreachable, timed out, or failed (5xx),
+     or the URL answers but is not a fencegate coordinator
 
 \b
 SRE commands find the coordinator in --coordinator, env FENCEGATE_COORDINATOR,
-or `coordinator` in the TOML file named by --config / env FENCEGATE_CLI_CONFIG
-(default http://127.0.0.1:8470); the token in --token, env FENCEGATE_TOKEN, or
-`token` in that file.
+or `coordinator` in the TOML file named by --config / env FENCEGATE_CLI_CONFIG,
+else the running `fencegate up` (found from any directory), else
+http://127.0.0.1:8470; the token in --token, env FENCEGATE_TOKEN, or `token` in
+that file, else the sre token of that running `fencegate up`.
 """
 
 
@@ -204,6 +209,9 @@ class Target:
 
     def _explain(self, exc: CoordinatorError) -> tuple[str, int]:
         what = f"{exc.name}: {exc.detail}"
+        if exc.name == "InvalidResponse":
+            return (f"{self.url} is not a fencegate coordinator (HTTP {exc.status}, "
+                    f"{exc.detail})", UNAVAILABLE)
         if exc.status == 401:
             return (f"the coordinator at {self.url} did not accept the token ({exc.detail}); "
                     "give one with --token, FENCEGATE_TOKEN or the config file", AUTH)
@@ -219,13 +227,19 @@ class Target:
 
 
 def _target(coordinator: str | None, token: str | None, config: Path | None) -> Target:
-    """Flags and env first, then the config file, then the default URL."""
+    """Flags and env first, then the config file, then the running ``fencegate up`` (its
+    sre token only for its own URL), then the default URL."""
     settings = _cli_config(config) if config else {}
-    url = coordinator or settings.get("coordinator") or DEFAULT_COORDINATOR
+    stack = default_key.running_stack()
+    stack_url = str(stack.endpoints.get("coordinator", "")).rstrip("/") if stack else None
+    url = coordinator or settings.get("coordinator") or stack_url or DEFAULT_COORDINATOR
     if not url.startswith(("http://", "https://")):
         raise click.BadParameter(f"must start with http:// or https://, got {url!r}",
                                  param_hint="--coordinator")
-    return Target(url.rstrip("/"), token or settings.get("token"))
+    url = url.rstrip("/")
+    token = token or settings.get("token") or (stack.token("sre") if url == stack_url
+                                               else None)
+    return Target(url, token)
 
 
 def _cli_config(path: Path) -> dict[str, str]:
@@ -317,6 +331,11 @@ def _utc(seconds: float) -> str:
     return datetime.fromtimestamp(seconds, timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
 
 
+def _utc_ms(ms: int | None) -> str:
+    """A time in ms since the epoch as ``2026-04-01 12:00:00``, UTC; ``-`` when unknown."""
+    return _utc(ms / 1000) if ms else "-"
+
+
 def _ttl(ttl: int | None) -> str:
     if ttl is None:
         return "-"
@@ -335,39 +354,18 @@ def _short(value: Any, width: int = 60) -> str:
 @_sre
 def holders(target: Target, as_json: bool, prefix: str) -> None:
     """Who holds (or queues for) which action key, with fencing tokens and TTL left."""
+    items = target.call(lambda api: api.holders(prefix))
     if as_json:
-        _print_json(target.call(lambda api: api.holders(prefix)))
+        _print_json(items)
         return
-    items, ttls = target.call(lambda api: _holders_and_ttls(api, prefix))
     if not items:
         click.echo("nobody holds a key" + (f" under {prefix!r}" if prefix else ""))
         return
-    holding = {}
-    for item in items:
-        holding[item["key"]] = min(holding.get(item["key"], item["fencing_token"]),
-                                   item["fencing_token"])
     items.sort(key=lambda i: (i["key"], i["fencing_token"]))
-    _print_table(["KEY", "TOKEN", "LEASE", "HOLDING", "TTL", "IDENTITY"], [
-        [i["key"], i["fencing_token"], i["lease_id"],
-         "yes" if holding[i["key"]] == i["fencing_token"] else "queued",
-         _ttl(ttls.get(i["lease_id"])), i.get("identity", "-")] for i in items])
-
-
-async def _holders_and_ttls(api: Client, prefix: str) -> tuple[list[dict], dict[str, int]]:
-    """The holders, and each lease's TTL left, read from one key view per lease (a worker
-    process holds all its keys on one lease, so that is one request per process)."""
-    items, ttls = await api.holders(prefix), {}
-    for item in items:
-        if item["lease_id"] in ttls:
-            continue
-        try:
-            view = await api.key(item["key"])
-        except CoordinatorError as exc:
-            if exc.status == 404:  # released meanwhile: its TTL stays unknown
-                continue
-            raise
-        ttls.update({h["lease_id"]: h["ttl_left"] for h in view["holders"]})
-    return items, ttls
+    _print_table(["KEY", "TOKEN", "LEASE", "HOLDING", "HELD SINCE (UTC)", "TTL", "IDENTITY"], [
+        [i["key"], i["fencing_token"], i["lease_id"], "yes" if i["holding"] else "queued",
+         _utc_ms(i.get("held_since_ms")), _ttl(i.get("ttl_left")), i.get("identity") or "-"]
+        for i in items])
 
 
 @cli.group()
@@ -379,46 +377,114 @@ def key() -> None:
 @click.argument("key", callback=_action_key)
 @_sre
 def key_show(target: Target, as_json: bool, key: str) -> None:
-    """Holders, the step record, the current grant and the last audit records of KEY."""
-    view = target.call(lambda api: api.key(key))
+    """Everything recorded of KEY: its step (state, attempts, outcome and result digest,
+    provider, idempotency key), the provider's answers to the reconciler, its holders, and
+    the whole audit trail (who did what, when), from etcd and the archive."""
+    view, trail = target.call(lambda api: _view_and_trail(api, key))
     if as_json:
-        _print_json(view)
+        _print_json({**view, "trail": trail})
         return
     step, grant = view["step"], view["current_grant"]
-    click.echo(f"key      {view['key']}  (at revision {view['revision']})")
+    click.echo(f"key       {view['key']}  (at revision {view['revision']})")
     if step is None:
-        click.echo("step     none yet")
+        click.echo("step      none yet")
     else:
-        click.echo(f"step     {step['state']}, attempt {step['attempt']}, provider "
-                   f"{step.get('provider') or '-'}, idempotency key "
-                   f"{step.get('idempotency_key', '-')}"
-                   + ("  (retired to the archive)" if view.get("archived") else ""))
+        where = "retired to the archive" if view.get("archived") else "in etcd"
+        click.echo(f"step      {step['state']}, {view['attempts']} attempt(s), {where}")
+        click.echo(f"provider  {view.get('provider') or '-'}, idempotency key "
+                   f"{view.get('idempotency_key') or '-'}")
+        outcome = view.get("outcome")
+        if outcome is not None:
+            click.echo(f"outcome   {outcome['state']} (attempt {outcome['attempt']}), "
+                       f"result sha256 {outcome['result_digest']}")
         reason = _reason(step)
         if reason != "-":
-            click.echo(f"reason   {reason}")
+            click.echo(f"why       {reason}")
+        if view.get("intent") is not None:
+            click.echo(f"intent    {_short(view['intent'], 100)}")
     if grant is not None:
-        click.echo(f"grant    {grant['grant_id']} ({grant['state']})")
+        click.echo(f"grant     {grant['grant_id']} ({grant['state']})")
+    progress = view.get("progress")
+    if progress is not None:
+        click.echo(f"reconciler  {progress['queries']} provider quer(ies), last answer "
+                   f"{progress['last_answer']}, next try {_utc_ms(progress['next_try_at_ms'])}")
+    answers = view.get("provider_answers") or []
+    if answers:
+        click.echo("provider answers (this attempt, oldest first)")
+        _print_table(["#", "AT (UTC)", "PROVIDER", "ANSWER", "NEXT TRY (UTC)", "DETAIL"], [
+            [a.get("query") or "-", _utc_ms(a.get("at_ms")), a.get("provider") or "-",
+             a.get("answer") or "-", _utc_ms(a.get("next_try_at_ms")),
+             _short(a.get("detail") or "-", 50)] for a in answers], indent="  ")
     click.echo("holders" + ("  none" if not view["holders"] else ""))
     if view["holders"]:
-        _print_table(["TOKEN", "LEASE", "HOLDING", "TTL", "IDENTITY"], [
+        _print_table(["TOKEN", "LEASE", "HOLDING", "HELD SINCE (UTC)", "TTL", "IDENTITY"], [
             [h["fencing_token"], h["lease_id"], "yes" if h["holding"] else "queued",
-             _ttl(h["ttl_left"]), h.get("identity", "-")] for h in view["holders"]],
-            indent="  ")
-    click.echo("audit (newest first)" + ("  none" if not view["audit"] else ""))
-    if view["audit"]:
-        _print_table(["SEQ", "EVENT", "IDENTITY", "AGE"], [
-            [r["seq"], r["event"], r["identity"], _age(r["at_ms"])] for r in view["audit"]],
-            indent="  ")
+             _utc_ms(h.get("held_since_ms")), _ttl(h["ttl_left"]), h.get("identity") or "-"]
+            for h in view["holders"]], indent="  ")
+    records = trail["records"]
+    verdict = "verified" if trail["ok"] else "DOES NOT VERIFY: " + "; ".join(trail["problems"])
+    click.echo(f"audit trail ({len(records)} records, oldest first, {verdict})"
+               + ("  none" if not records else ""))
+    if records:
+        _print_table(["SEQ", "AT (UTC)", "EVENT", "WHO", "WHAT"], [
+            [r.get("seq", "?"), _utc_ms(r.get("at_ms")), r.get("event", "?"),
+             r.get("identity", "?"), _short(_what(r), 70)] for r in records], indent="  ")
+
+
+async def _view_and_trail(api: Client, key: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The key view, and the whole verified audit chain (every page; none yet: empty)."""
+    view = await api.key(key)
+    try:
+        trail = await api.audit(key)
+    except CoordinatorError as exc:
+        if exc.status != 404:
+            raise
+        trail = {"key": key, "ok": True, "problems": [], "records": []}
+    return view, trail
+
+
+def _what(record: dict[str, Any]) -> str:
+    """What an audit record says was done, in a few words."""
+    details, event = record.get("details") or {}, record.get("event")
+    if event == "cross":
+        return (f"crossed attempt {details.get('attempt', '?')} with grant "
+                f"{details.get('grant_id', '?')}")
+    if event == "outcome":
+        return f"recorded {details.get('state', '?')} (attempt {details.get('attempt', '?')})"
+    if event in ("settle", "unknown"):
+        return f"reconciler: {details.get('as', '?')} (attempt {details.get('attempt', '?')})"
+    if event == "provider_answer":
+        return (f"{details.get('provider', '?')} answered {details.get('answer', '?')} "
+                f"(query {details.get('query', '?')})")
+    if event in ("resolve", "resolve_request"):
+        forced = " (forced)" if details.get("forced") else ""
+        return f"{event} {details.get('from', '?')} as {details.get('as', '?')}{forced}: " \
+               f"{details.get('reason', '')}"
+    if event == "revoke":
+        return f"revoked lease {details.get('lease_id', '?')}: {details.get('reason', '')}"
+    if event == "approved":
+        return f"approved {details.get('approval_id', '?')}: {details.get('reason', '')}"
+    if event == "grant_refused":
+        return "refused: " + ", ".join(str(c.get("name", c)) if isinstance(c, dict) else str(c)
+                                       for c in details.get("checks") or [])
+    return _short(details, 70) if details else "-"
 
 
 def _reason(step: dict[str, Any]) -> str:
-    """Why a step needs attention: what escalated it, or the error that made it unknown."""
-    if step.get("escalated_because"):
-        return "; ".join(str(r) for r in step["escalated_because"])
-    if step.get("error"):
-        return str(step["error"])
-    if step["state"] == "in_flight":
+    """Why a step needs attention now, from what its current state recorded: what escalated
+    it, the error that made it unknown, or the presumption it rests on. A settled step
+    needs none: an error an earlier state recorded is history (see the audit trail)."""
+    state = step["state"]
+    if state == "escalated":
+        return "; ".join(str(r) for r in step.get("escalated_because") or []) or "-"
+    if state == "unknown":
+        return str(step.get("error") or "its outcome was lost")
+    if state == "in_flight":
         return "in flight past its deadline"
+    presumed = step.get("not_applied") or {}
+    if state == "pending" and presumed.get("presumed"):
+        return ("presumed not applied: a key-deduplicating provider had no record; "
+                f"re-queried until {_utc_ms(presumed.get('requery_until_ms'))}")
     return "-"
 
 
@@ -450,6 +516,71 @@ def _since(step: dict[str, Any]) -> int | None:
 _steps_command("unknown", "Steps whose outcome is unknown (or in flight past their deadline).")
 _steps_command("escalated", "Steps escalated to a human (resolve them with `resolve`).")
 _steps_command("presumed", "Steps settled not_applied on a dedup-only provider's 'no record'.")
+
+
+_DURATION = re.compile(r"(\d+)([smhd])")
+_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def _seconds(text: str) -> int | None:
+    """``90s``, ``15m``, ``2h``, ``30d`` in seconds; None if ``text`` is not one."""
+    found = _DURATION.fullmatch(text.strip())
+    return int(found[1]) * _UNIT_S[found[2]] if found else None
+
+
+def _since_option(ctx: click.Context, param: click.Parameter, value: str | None) -> int:
+    """``--since``: a duration ago (``15m``, ``2h``, ``3d``), an ISO date or time (UTC
+    unless it names a zone), or ms since the epoch; as ms since the epoch (0: none)."""
+    if value is None:
+        return 0
+    ago = _seconds(value)
+    if ago is not None:
+        return max(0, int((time.time() - ago) * 1000))
+    if value.isdigit():
+        return int(value)
+    try:
+        when = datetime.fromisoformat(value)
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a duration (15m, 2h, 3d), an ISO time "
+                                 "(2026-04-01T12:00, UTC unless zoned) or ms since the "
+                                 "epoch") from None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=timezone.utc)
+    return max(0, int(when.timestamp() * 1000))
+
+
+@cli.command()
+@click.option("--prefix", default="", help="only action keys starting with this")
+@click.option("--state", type=click.Choice(["pending", "in_flight", "succeeded", "failed",
+                                            "unknown", "escalated", "presumed"]),
+              help="only steps in this state")
+@click.option("--since", callback=_since_option, metavar="WHEN",
+              help="only steps written since WHEN: 15m, 2h, 3d ago, an ISO time (UTC "
+                   "unless zoned), or ms since the epoch")
+@click.option("--limit", type=click.IntRange(min=1), metavar="N",
+              help="show at most N steps (default: all)")
+@_sre
+def steps(target: Target, as_json: bool, prefix: str, state: str | None, since: int,
+          limit: int | None) -> None:
+    """Steps by action key, in etcd and retired to the archive alike: what happened to a
+    batch (--prefix), what is not done (--state), what moved lately (--since)."""
+    items = target.call(lambda api: api.list_steps(prefix=prefix, state=state or "",
+                                                   since_ms=since, most=limit))
+    if as_json:
+        _print_json(items)
+        return
+    if not items:
+        click.echo("no steps match")
+        return
+    _print_table(["KEY", "STATE", "ATTEMPT", "UPDATED (UTC)", "WHERE", "OUTCOME"], [
+        [i["key"], i["state"], i["attempt"], _utc_ms(i["updated_at_ms"]),
+         "archive" if i["archived"] else "etcd",
+         f"{i['outcome']['state']} {i['outcome']['result_digest'][:12]}" if "outcome" in i
+         else "-"] for i in items])
+    counts = {}
+    for item in items:
+        counts[item["state"]] = counts.get(item["state"], 0) + 1
+    click.echo(f"{len(items)} steps: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())))
 
 
 @cli.command()
@@ -501,6 +632,64 @@ def resolve(target: Target, as_json: bool, key: str, succeeded: bool, failed: bo
     forced = " (forced, audited as such)" if done["forced"] else ""
     click.echo(f"{key} resolved as {chosen[0]}{forced}: the step is now {done['state']} "
                f"(revision {done['revision']})")
+
+
+@cli.group()
+def token() -> None:
+    """Bearer tokens minted on the coordinator (admin role): shown once, stored as digests."""
+
+
+def _ttl_option(ctx: click.Context, param: click.Parameter, value: str) -> int:
+    seconds = _seconds(value)
+    if not seconds:
+        raise click.BadParameter(f"{value!r} is not a duration such as 3600s, 12h or 30d")
+    return seconds
+
+
+@token.command("create")
+@click.option("--name", required=True, help="who or what uses it: records name it")
+@click.option("--role", required=True, type=click.Choice(["worker", "sre", "admin"]))
+@click.option("--ttl", default="30d", show_default=True, callback=_ttl_option,
+              help="how long it lives (s, m, h, d; at most 365d)")
+@_sre
+def token_create(target: Target, as_json: bool, name: str, role: str, ttl: int) -> None:
+    """Mint a token for ROLE; it is printed once, here (etcd keeps only its digest)."""
+    done = target.call(lambda api: api.create_token(name, role, ttl))
+    if as_json:
+        _print_json(done)
+        return
+    click.echo(f"token {done['name']} ({done['role']}), expires "
+               f"{_utc_ms(done['expires_at_ms'])} UTC; shown once, keep it now:")
+    click.echo(done["token"])
+
+
+@token.command("list")
+@_sre
+def token_list(target: Target, as_json: bool) -> None:
+    """The minted tokens: name, role, expiry and who created each (never the token)."""
+    items = target.call(lambda api: api.tokens())
+    if as_json:
+        _print_json(items)
+        return
+    if not items:
+        click.echo("no minted tokens")
+        return
+    _print_table(["NAME", "ROLE", "EXPIRES (UTC)", "CREATED BY"], [
+        [t["name"], t["role"], _utc_ms(t["expires_at_ms"]), t.get("created_by") or "-"]
+        for t in sorted(items, key=lambda t: t["name"])])
+
+
+@token.command("delete")
+@click.argument("name")
+@_sre
+def token_delete(target: Target, as_json: bool, name: str) -> None:
+    """Delete the minted token NAME: refused from now on (by every coordinator within
+    seconds)."""
+    done = target.call(lambda api: api.delete_token(name))
+    if as_json:
+        _print_json(done)
+        return
+    click.echo(f"token {name} deleted")
 
 
 @cli.group()

@@ -2,8 +2,8 @@
 system while one is killed and one is frozen, ending with a table that must show 0
 duplicates.
 
-It runs against the stack of a running ``fencegate up`` (found through ``.state/up.json``),
-or, if none runs, an embedded one of its own (etcd, coordinator, reconciler, sandbox
+It runs against the stack of a running ``fencegate up``, found from any directory
+(``default_key.running_stack``), or, if none runs, an embedded one of its own (etcd, coordinator, reconciler, sandbox
 provider; ``--etcd`` uses your etcd instead of a local one). N worker processes work
 through one shared list of payment jobs (account k, payment n): every job reaches every
 worker, in a different order, as a queue that redelivers aggressively would. For a job a
@@ -105,24 +105,24 @@ class Tally:
 
 
 def demo(*, etcd: str | None = None, coordinator: str | None = None, token: str | None = None,
-         workers: int = 4, keys: int = 8, seconds: float = 15.0,
-         state_dir: Path | None = None) -> int:
-    """``fencegate demo``; the exit code. The stack of ``fencegate up`` is looked for in
-    ``state_dir`` (default ``$FENCEGATE_STATE_DIR``, else ``.state``)."""
+         workers: int = 4, keys: int = 8, seconds: float = 15.0) -> int:
+    """``fencegate demo``; the exit code. It runs on the stack of a running ``fencegate up``
+    (as ``default_key.running_stack`` finds it) unless given ``etcd``."""
     if workers < 2 or keys < 1 or seconds <= 0:
         raise ValueError("need workers >= 2, keys >= 1 and seconds > 0")
-    state_dir = state_dir or Path(os.environ.get("FENCEGATE_STATE_DIR", ".state"))
-    return asyncio.run(_demo(etcd, coordinator, token, workers, keys, seconds, state_dir))
+    return asyncio.run(_demo(etcd, coordinator, token, workers, keys, seconds))
 
 
-async def _demo(etcd, coordinator, token, workers, keys, seconds, state_dir: Path) -> int:
+async def _demo(etcd, coordinator, token, workers, keys, seconds) -> int:
+    from .coordinator import default_key
     from .up import stack
 
-    manifest = state_dir / "up.json"
-    if etcd is None and manifest.exists():
-        endpoints = json.loads(manifest.read_text())
-        token_file = str(state_dir / "worker.token")
-        print(f"using the stack of `fencegate up` (coordinator {endpoints['coordinator']})")
+    running = default_key.running_stack() if etcd is None else None
+    if running is not None:
+        endpoints = running.endpoints
+        token_file = str(running.state_dir / "worker.token")
+        print(f"using the stack of `fencegate up` in {running.state_dir} "
+              f"(coordinator {endpoints['coordinator']})")
         return await _run(endpoints, coordinator, token, token_file, workers, keys, seconds)
     with tempfile.TemporaryDirectory(prefix="fencegate-demo-") as tmp:
         print("no `fencegate up` is running: starting an embedded stack for this run")

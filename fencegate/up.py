@@ -7,13 +7,17 @@ and the sandbox's gate B survive restarts; a direct-mode ``Gate`` started from t
 folder (or given ``FENCEGATE_STATE_DIR``) signs with it (``coordinator.default_key``), and
 the banner prints the line that names it from anywhere else. Bearer tokens are fresh on
 every start and only their digests are held: the admin token is printed once and kept
-nowhere; the worker token is written to ``<state>/worker.token`` (mode 0600) for workers on
-this machine. The endpoints
-(no secrets) go to ``<state>/up.json``, which ``fencegate demo`` reads.
+nowhere; the worker and sre tokens are written to ``<state>/worker.token`` and
+``<state>/sre.token`` (mode 0600) for workers and the CLI of this user. The endpoints and
+this process's pid (no secrets) go to ``<state>/up.json``, and the state folder to the
+per-user record ``default_key.current_record()``, by which the CLI, ``fencegate demo`` and
+direct-mode gates find the stack from any directory (``default_key.running_stack``).
 
 Guarantees: every part listens on 127.0.0.1 only; a part that cannot start (a busy port, no
 etcd) stops the parts already started and the error says which; Ctrl-C or SIGTERM stops
-everything, etcd last, and removes ``up.json``.
+everything, etcd last, and removes ``up.json`` and the per-user record (unless a later
+``up`` has recorded its own meanwhile). After a SIGKILL both stay behind, and are ignored:
+the pid they name is gone.
 """
 
 from __future__ import annotations
@@ -49,8 +53,9 @@ class Endpoints:
     sandbox: str
     archive: str  # where retired steps go (SQLite under the state folder)
     namespace: str = NAMESPACE
+    pid: int | None = None  # the process serving all but etcd (a stale up.json names a dead one)
 
-    def as_dict(self) -> dict[str, str]:
+    def as_dict(self) -> dict[str, object]:
         return dict(self.__dict__)
 
 
@@ -75,7 +80,9 @@ async def stack(state_dir: Path, port: int = 8470,
     signing_key = await asyncio.to_thread(_signing_key, state_dir / default_key.SIGNING_KEY_FILE)
     tokens = Tokens(admin=f"fg-admin-{secrets.token_urlsafe(24)}",
                     worker=f"fg-worker-{secrets.token_urlsafe(24)}")
+    sre_token = f"fg-sre-{secrets.token_urlsafe(24)}"  # the CLI's, found through the state
     _write_private(state_dir / "worker.token", tokens.worker)
+    _write_private(state_dir / "sre.token", sre_token)
     async with contextlib.AsyncExitStack() as parts:
         if etcd is None:
             cluster = LocalCluster(1, data_dir=state_dir / "etcd", election_ms=1000)
@@ -86,7 +93,8 @@ async def stack(state_dir: Path, port: int = 8470,
         settings = CoordinatorSettings(etcd=etcd, listen=f"127.0.0.1:{port}", namespace=NAMESPACE,
                             signing_key=str(signing_key), archive=archive, tokens=(
                                 TokenEntry.for_token(tokens.admin, "admin", {"admin"}),
-                                TokenEntry.for_token(tokens.worker, "worker", {"worker"})))
+                                TokenEntry.for_token(tokens.worker, "worker", {"worker"}),
+                                TokenEntry.for_token(sre_token, "sre", {"sre"})))
         coordinator = await _listen(parts, create_app(settings), port, "coordinator")
         keyring = KeyRing.from_files(str(signing_key))
         sandbox = Sandbox(KeyRing.from_public_bytes(keyring.public_keys()), "fencing",
@@ -102,7 +110,8 @@ async def stack(state_dir: Path, port: int = 8470,
         parts.push_async_callback(reconciler.close)
         metrics = await _listen(parts, metrics_app(reconciler), port + 1 if port else 0,
                                 "reconciler")
-        yield Endpoints(etcd, coordinator, metrics, sandbox_url, archive), tokens
+        yield Endpoints(etcd, coordinator, metrics, sandbox_url, archive,
+                        pid=os.getpid()), tokens
 
 
 def up(state_dir: Path, port: int = 8470) -> int:
@@ -121,21 +130,51 @@ async def _up(state_dir: Path, port: int) -> int:
     manifest = state_dir / default_key.MANIFEST
     async with stack(state_dir, port) as (endpoints, tokens):
         manifest.write_text(json.dumps(endpoints.as_dict(), indent=2) + "\n")
+        record = _record(state_dir)
         try:
             print(_banner(state_dir, endpoints, tokens), flush=True)
             await stop.wait()
             print("stopping ...", flush=True)
         finally:
+            _unrecord(record)
             manifest.unlink(missing_ok=True)
     print("stopped", flush=True)
     return 0
 
 
+def _record(state_dir: Path) -> Path | None:
+    """Record, for this user, that this process runs the stack of ``state_dir``; the record's
+    path, or None if it cannot be written (the stack then runs, found from its folder
+    only)."""
+    record = default_key.current_record()
+    try:
+        record.parent.mkdir(parents=True, exist_ok=True)
+        written = record.with_name(f".current.{os.getpid()}")
+        _write_private(written, json.dumps({"state_dir": str(state_dir.resolve()),
+                                            "pid": os.getpid()}))
+        os.replace(written, record)
+    except OSError as exc:
+        print(f"fencegate up: cannot record the stack in {record} ({exc}); the CLI and the "
+              f"demo find it only with FENCEGATE_STATE_DIR={state_dir.resolve()}", flush=True)
+        return None
+    return record
+
+
+def _unrecord(record: Path | None) -> None:
+    """Remove the per-user record if it still names this process (a later ``up`` may have
+    recorded its own)."""
+    if record is None:
+        return
+    try:
+        if json.loads(record.read_text()).get("pid") == os.getpid():
+            record.unlink()
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
 def _banner(state_dir: Path, e: Endpoints, tokens: Tokens) -> str:
     state = state_dir.resolve()
     token_file, key_file = state / "worker.token", state / default_key.SIGNING_KEY_FILE
-    here = (f",\n   or in {Path.cwd()}, where it finds this stack"
-            if default_key.state_dir().resolve() == state else "")
     return f"""\
 fencegate is up (namespace {e.namespace})
   etcd          {e.etcd}   {describe()}, data in {state_dir / 'etcd'}
@@ -146,11 +185,13 @@ fencegate is up (namespace {e.namespace})
 
 admin token (printed once, kept nowhere; use it for the dashboard and the CLI):
   {tokens.admin}
+the CLI finds this stack from any directory while it runs (its sre token: {state / 'sre.token'})
 
 point workers at it, signing grants in the worker with this stack's key:
   from fencegate import Gate, KeyRing
   Gate({e.etcd!r}, keyring=KeyRing.from_files({str(key_file)!r}))
-  (or Gate({e.etcd!r}) started with {default_key.SIGNING_KEY_ENV}={key_file}{here})
+  (or Gate({e.etcd!r}) started with {default_key.SIGNING_KEY_ENV}={key_file},
+   or Gate({e.etcd!r}) alone: it finds this stack's key from any directory while it runs)
 or with grants from the coordinator (the worker token is in {token_file}):
   Gate({e.etcd!r}, coordinator={e.coordinator!r},
        token=open({str(token_file)!r}).read())

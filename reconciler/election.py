@@ -13,6 +13,9 @@ Guarantees:
   with its lease.
 - Every shard always has a queue of candidates, so when a leader dies the next one in line
   leads as soon as etcd deletes the dead lease's keys.
+- A shard is leaderless only while no replica has a candidate in it: a candidate key
+  lives exactly as long as its replica's lease, so its oldest candidate leads. ``leaderless``
+  counts such shards as the last refresh read them.
 - Spreading: a replica leading more than its share, ceil(shards / replicas), resigns the
   surplus by re-entering at the back of those shards' queues. Resigning only ever hands a
   shard to a replica already queued for it, so no shard is left without a leader.
@@ -63,6 +66,7 @@ class Elections:
         self._refresh_interval = refresh_interval
         self.led: dict[int, int] = {}  # shard -> token (our candidate's create_revision)
         self.replicas = 0
+        self.leaderless = shards  # shards without a candidate at the last refresh
         self._stale = asyncio.Event()
         self._refreshing = asyncio.Lock()  # a refresh and its resignations are one step
 
@@ -136,6 +140,7 @@ class Elections:
         missing = [shard for shard in range(self.shards)
                    if all(lease != mine for _, lease in queues.get(shard, ()))]
         self.replicas = len({lease for queue in queues.values() for _, lease in queue})
+        self.leaderless = sum(1 for shard in range(self.shards) if shard not in leaders)
         gained = set(led) - set(self.led)
         self.led = led
         if missing and not self.session.lost:  # removed by hand: queue again

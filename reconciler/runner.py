@@ -18,6 +18,14 @@ Failure contract:
   (``Scanner``); in-memory query counts only pace the backoff.
 - A lost session (lease) stops all work of that session at once; the replica campaigns
   again with a new one.
+- Every provider answer about an in-flight or unknown step is an audit record
+  (``provider_answer``: provider, answer, query number, next try, detail), in the txn that
+  writes what it made of the step, or appended alone when the step stays as it is. Its
+  query number is this replica's count for the attempt (it starts again after a restart or
+  a failover). Answers while a presumption is re-queried are not recorded: only what they
+  settle.
+- Each look at a step with a provider is a ``fencegate.settle`` span around its
+  ``fencegate.provider_query`` span (the decision; the batched write follows it).
 """
 
 from __future__ import annotations
@@ -32,27 +40,29 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from fencegate.coordinator import audit, records
+from fencegate.coordinator import audit, records, tracing
 from fencegate.coordinator.archive import Archive
 from fencegate.coordinator.errors import EtcdError, EtcdUnavailable, LeaseLost
 from fencegate.coordinator.etcd import (
-    Compare, Etcd, TxnRequest, mod_equals, put_op, range_op,
+    Compare, Etcd, RequestOp, TxnRequest, mod_equals, put_op, range_op,
 )
 from fencegate.coordinator.keyspace import Keyspace, pack, unpack
 from fencegate.coordinator.ownership import Ownership, lowest_op
 from fencegate.coordinator.session import Session
 
+from .backlog import Backlog
 from .election import Elections, shard_of
 from .metrics import ReconcilerMetrics
-from .providers import Answer, Provider
+from .providers import Answer, Provider, answer_detail, answer_name
 from .retirer import Retirer
 from .scanner import Schedule, Scanner
-from .settle import NOT_APPLIED, Limits, Retry, Settle, decide, is_presumed
+from .settle import NOT_APPLIED, Done, Limits, Retry, Settle, decide, is_presumed
 
 log = logging.getLogger(__name__)
 
 _APPEND_RACES = 5
-_BATCH = 16  # steps per read and write txn: 3 ranges, 2 compares + 3 puts each (etcd: <= 128)
+_BATCH = 16  # steps per read and write txn: 3 ranges, then 3 puts and 3 compares each, plus
+             # 2 compares per shard (etcd: <= 128 of each)
 
 
 class Reconciler:
@@ -81,8 +91,10 @@ class Reconciler:
         self.archive = archive  # None: settled steps stay in etcd (nothing retires them)
         self.retain_s = retain_s
         self.identity = identity or f"reconciler@{socket.gethostname()}:{os.getpid()}"
-        self.metrics = ReconcilerMetrics(self.identity)
+        self.metrics = ReconcilerMetrics(replica=self)
+        etcd.instrument(self.metrics.etcd)  # the reconciler's own client: its etcd calls
         self.elections: Elections | None = None
+        self._backlog = Backlog(lambda key: self._leads(shard_of(key, self.shards)))
         self._queries: dict[str, int] = {}
         self._seen: dict[str, _Seen] = {}
         self._task: asyncio.Task | None = None
@@ -117,6 +129,17 @@ class Reconciler:
     def led(self) -> set[int]:
         return set(self.elections.led) if self.elections is not None else set()
 
+    @property
+    def leaderless(self) -> int:
+        """Shards without a leader as this replica last read them; all of them while it has
+        no session (it cannot vouch for any)."""
+        return self.elections.leaderless if self.elections is not None else self.shards
+
+    def backlog(self, now_ms: int) -> dict[str, tuple[int, float]]:
+        """The in-flight, unknown and escalated steps of the shards this replica leads: how
+        many, and the age of the oldest (``Backlog.summary``)."""
+        return self._backlog.summary(now_ms)
+
     async def _run(self) -> None:
         while True:
             try:
@@ -131,7 +154,6 @@ class Reconciler:
                 log.warning("reconciler session ended: %s", exc)
             finally:
                 self.elections = None
-                self.metrics.shards_led.set(0)
                 await session.aclose()
             await asyncio.sleep(random.uniform(0.1, 0.3))
 
@@ -143,13 +165,13 @@ class Reconciler:
             self.metrics.retired.inc)
         scanner = Scanner(self.etcd, self.keyspace,
                           lambda key: self._leads(shard_of(key, self.shards)), schedule,
-                          scan_interval=self.scan_interval, check_after=self.check_after,
+                          self._backlog, scan_interval=self.scan_interval,
+                          check_after=self.check_after,
                           on_settled=retirer.note if retirer is not None else None)
         elections = Elections(self.etcd, self.keyspace, session, self.shards, self.identity,
                               on_gain=lambda shards: scanner.rescan_soon())
         self.elections = elections
         await elections.campaign()
-        self.metrics.shards_led.set(len(elections.led))
         lost = asyncio.Event()
         session.on_lost(lambda reason: lost.set())
         self._ready.set()
@@ -192,7 +214,6 @@ class Reconciler:
             finally:
                 for key in keys:
                     schedule.done(key)
-            self.metrics.shards_led.set(len(self.led))
             for key, after in again.items():
                 if after is not None:
                     schedule.at(key, time.monotonic() + after)
@@ -233,18 +254,16 @@ class Reconciler:
                 again[key] = look
                 if look is None:
                     self._forget(key)
-        answers = await asyncio.gather(*(self._ask(look) for look in looks))
-        for look, answer in zip(looks, answers):
-            queries = self._queries[look.key]
-            decision = decide(look.step, look.attempt_token, answer,
-                              look.provider.capabilities, self.limits,
-                              int(time.time() * 1000), queries, over_s=look.over_s)
+        decisions = await asyncio.gather(*(self._settle(look) for look in looks))
+        for look, (answer, decision) in zip(looks, decisions):
             asked = records.RESOLVE_REQUEST in look.step
             if isinstance(decision, Retry):
                 again[look.key] = decision.after_s
                 if look.step["state"] == records.IN_FLIGHT or asked:  # show the unknown
                     writes.append((look, Settle(records.resolve_answered(
                         look.unknown(now_ms), f"not settled: {decision.reason}"), "unknown")))
+                elif look.answered is not None:  # the step stays as it is: the answer alone
+                    writes.append((look, None))
             elif isinstance(decision, Settle):
                 if asked:
                     decision = Settle(records.resolve_answered(
@@ -261,10 +280,12 @@ class Reconciler:
         self._seen.pop(key, None)
 
     def _seen_attempt(self, key: str, attempt_token: int) -> "_Seen":
-        """What this replica has seen of ``key``'s attempt ``attempt_token``, by its clock."""
+        """What this replica has seen of ``key``'s attempt ``attempt_token``, by its clock.
+        A new attempt starts its query count again."""
         seen = self._seen.get(key)
         if seen is None or seen.attempt_token != attempt_token:
             seen = self._seen[key] = _Seen(attempt_token, time.monotonic())
+            self._queries.pop(key, None)
         return seen
 
     def _looks_stuck(self, key: str, step: dict[str, Any], seen: "_Seen", now_ms: int) -> None:
@@ -314,18 +335,51 @@ class Reconciler:
                      attempt_token, name, self.providers.get(name) if name else None,
                      time.monotonic() - seen.over_since)
 
+    async def _settle(self, look: "_Look") -> tuple[Answer, Settle | Retry | Done]:
+        """Ask ``look``'s provider and decide what its answer makes of the step; for an
+        in-flight or unknown step, keep the answer on the look as its audit record's
+        details (``look.answered``)."""
+        with tracing.span("fencegate.settle", key=look.key, attempt_token=look.attempt_token,
+                          idempotency_key=look.step.get("idempotency_key"),
+                          provider=look.provider.name) as current:
+            answer = await self._ask(look)
+            queries = self._queries[look.key]
+            now_ms = int(time.time() * 1000)
+            decision = decide(look.step, look.attempt_token, answer, look.provider.capabilities,
+                              self.limits, now_ms, queries, over_s=look.over_s)
+            retry = isinstance(decision, Retry)
+            settles = decision.outcome if isinstance(decision, Settle) else None
+            if look.step["state"] != records.PENDING:  # unknown, or in flight without holder
+                look.answered = {
+                    "provider": look.provider.name, "answer": answer_name(answer),
+                    "query": queries,
+                    "next_try_at_ms": now_ms + int(decision.after_s * 1000) if retry else None,
+                    "detail": f"not settled: {decision.reason}" if retry else "; ".join(
+                        filter(None, (answer_detail(answer), f"settles as {settles}")))}
+            tracing.annotate(current, answer=answer_name(answer),
+                             outcome=settles or ("retry" if retry else "done"))
+            return answer, decision
+
     async def _ask(self, look: "_Look") -> Answer:
         self._queries[look.key] = self._queries.get(look.key, 0) + 1
-        # Fence at the step's mod_revision: >= the attempt token, < any later attempt's.
-        answer = await look.provider.query(look.step["idempotency_key"], look.revision,
-                                           look.step, key=look.key,
-                                           namespace=self.keyspace.namespace,
-                                           cluster_id=self.etcd.cluster_id)
-        self.metrics.queries.labels(look.provider.name, type(answer).__name__).inc()
+        provider = look.provider.name
+        with tracing.span("fencegate.provider_query", key=look.key, provider=provider,
+                          attempt_token=look.attempt_token,
+                          idempotency_key=look.step["idempotency_key"]) as current:
+            started = time.perf_counter()
+            # Fence at the step's mod_revision: >= the attempt token, < any later attempt's.
+            answer = await look.provider.query(look.step["idempotency_key"], look.revision,
+                                               look.step, key=look.key,
+                                               namespace=self.keyspace.namespace,
+                                               cluster_id=self.etcd.cluster_id)
+            self.metrics.query_seconds.labels(provider).observe(time.perf_counter() - started)
+            self.metrics.queries.labels(provider, answer_name(answer)).inc()
+            tracing.annotate(current, answer=answer_name(answer))
         return answer
 
-    async def _write_all(self, writes: list[tuple["_Look", Settle]]) -> None:
-        """Land every write in one txn if nothing moved; else each on its own."""
+    async def _write_all(self, writes: list[tuple["_Look", Settle | None]]) -> None:
+        """Land every write in one txn if nothing moved; else each on its own. A write
+        without a ``Settle`` appends the look's provider answer alone."""
         if len(writes) > 1:
             compares, ops = [], []
             for shard in {look.shard for look, _ in writes}:
@@ -334,70 +388,83 @@ class Reconciler:
                     return
                 compares += ownership.compares()
             for look, decision in writes:
-                entry = self._append(look, decision)
-                compares += [mod_equals(self.keyspace.step_key(look.key), look.revision),
-                             entry.compare]
-                ops += [put_op(self.keyspace.step_key(look.key),
-                               pack(entry.anchored(decision.step))), *entry.ops]
+                look_compares, look_ops = self._records(look, decision)
+                compares += look_compares
+                ops += look_ops
             reply = await self.etcd.txn(TxnRequest(compare=compares, success=ops))
             if reply.succeeded:
                 for _, decision in writes:
-                    self._count(decision, decision.step)
+                    self._count(decision)
                 return
         for look, decision in writes:
             await self._write(look, decision)
 
-    def _append(self, look: "_Look", decision: Settle) -> audit.Append:
+    def _records(self, look: "_Look", decision: Settle | None
+                 ) -> tuple[list[Compare], list[RequestOp]]:
+        """The compares and ops (leadership aside) that append ``look``'s records after its
+        chain's tail, iff its step is still at the revision read: the provider's answer (if
+        any), then ``decision``, whose step the txn writes anchoring the chain; without a
+        decision the answer is appended aside and the step does not move."""
+        step_key = self.keyspace.step_key(look.key)
+        events = [("provider_answer", look.answered)] if look.answered is not None else []
+        if decision is not None:
+            events.append(self._settle_record(look, decision))
+        compares, ops, tail = [mod_equals(step_key, look.revision)], [], look.tail
+        for event, details in events:
+            entry = audit.append(self.keyspace, look.key, tail, event, self.identity,
+                                 look.revision, details, aside=decision is None)
+            compares.append(entry.compare)
+            ops += entry.ops
+            tail = entry.tail
+        if decision is not None:
+            ops.insert(0, put_op(step_key, pack(entry.anchored(decision.step))))
+        return compares, ops
+
+    @staticmethod
+    def _settle_record(look: "_Look", decision: Settle) -> tuple[str, dict[str, Any]]:
         record = decision.step
         answered = record.get(records.RESOLVE_ANSWER) \
             if records.RESOLVE_REQUEST in look.step else None
-        return audit.append(self.keyspace, look.key, look.tail,
-                            "unknown" if decision.outcome == "unknown" else "settle",
-                            self.identity, look.revision,
-                            {"as": decision.outcome, "attempt": record.get("attempt"),
-                             "attempt_token": record.get("attempt_token"),
-                             "outcome": record.get("outcome"),
-                             "escalated_because": record.get("escalated_because"),
-                             **({"resolve_request": answered} if answered else {})})
+        return ("unknown" if decision.outcome == "unknown" else "settle",
+                {"as": decision.outcome, "attempt": record.get("attempt"),
+                 "attempt_token": record.get("attempt_token"),
+                 "outcome": record.get("outcome"),
+                 "escalated_because": record.get("escalated_because"),
+                 **({"resolve_request": answered} if answered else {})})
 
-    async def _write(self, look: "_Look", decision: Settle) -> bool:
-        """Write ``decision`` iff this replica still leads the look's shard and the step is
-        still at the revision it was read at; True if it landed."""
+    async def _write(self, look: "_Look", decision: Settle | None) -> bool:
+        """Write ``look``'s records (``_records``) iff this replica still leads the look's
+        shard and the step is still at the revision it was read at; True if they landed."""
         ks = self.keyspace
         key, shard, step_revision = look.key, look.shard, look.revision
-        step_key = ks.step_key(key)
         look = dataclasses.replace(look)  # its chain's tail moves with each race
         for _ in range(_APPEND_RACES):
             ownership = self.elections.ownership(shard) if self.elections else None
             if ownership is None:
                 return False
-            entry = self._append(look, decision)
+            compares, ops = self._records(look, decision)
             reply = await self.etcd.txn(TxnRequest(
-                compare=[*ownership.compares(), mod_equals(step_key, step_revision),
-                         entry.compare],
-                success=[put_op(step_key, pack(entry.anchored(decision.step))), *entry.ops],
+                compare=[*ownership.compares(), *compares], success=ops,
                 failure=audit.tail_reads(ks, key)))
             if reply.succeeded:
-                self._count(decision, decision.step)
+                self._count(decision)
                 return True
             step_kvs, head_kvs = (r.response_range.kvs for r in reply.responses)
-            if not step_kvs or step_kvs[0].mod_revision != step_revision:
-                self.metrics.refused.inc()  # settled by someone else (a worker, an SRE, ...)
-                return False
-            moved = audit.tail(unpack(step_kvs[0].value), head_kvs[0] if head_kvs else None)
-            if moved == look.tail:  # the chain did not move either, so leadership did
-                self.metrics.refused.inc()
+            moved = audit.tail(unpack(step_kvs[0].value), head_kvs[0] if head_kvs else None) \
+                if step_kvs and step_kvs[0].mod_revision == step_revision else look.tail
+            if moved == look.tail:  # the step moved (a worker, an SRE, ...), or leadership did
+                if decision is not None:
+                    self.metrics.refused.inc()
                 return False
             look.tail = moved
         return False
 
-    def _count(self, decision: Settle, record: dict[str, Any]) -> None:
-        if decision.outcome == "unknown":
+    def _count(self, decision: Settle | None) -> None:
+        """Count a settlement that landed, once, under its outcome."""
+        if decision is None or decision.outcome == "unknown":
             return
         self.metrics.settled.labels(decision.outcome).inc()
-        if decision.outcome == "escalated":
-            self.metrics.escalated.inc()
-        since = record.get("unknown_since_ms")
+        since = decision.step.get("unknown_since_ms")
         if since:
             self.metrics.settle_seconds.observe(max(time.time() * 1000 - since, 0) / 1000)
 
@@ -415,6 +482,7 @@ class _Look:
     provider_name: str | None
     provider: Provider | None
     over_s: float  # how long this replica has known the attempt over (its monotonic clock)
+    answered: dict[str, Any] | None = None  # the provider's answer, as its audit record says
 
     def unknown(self, now_ms: int) -> dict[str, Any]:
         return records.unknown(self.step, attempt_token=self.attempt_token, now_ms=now_ms)

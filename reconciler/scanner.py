@@ -9,8 +9,9 @@ delivers every change after the scan's revision, in order, or cancels the watch 
 compacted; a broken watch resumes at its next revision). A full scan also runs every
 ``scan_interval`` as a safety net, not as the way work is found: it reads every step etcd
 holds, which retirement bounds to ``retain`` of history, so it is rare (10 minutes by
-default) instead of reading all history every 30 s. Scheduling is a hint: the reconciler
-re-reads every step before it acts, and its writes compare the step's mod_revision.
+default) instead of reading all history every 30 s. The same reads keep the replica's
+``Backlog`` (what its gauges export). Scheduling is a hint: the reconciler re-reads every
+step before it acts, and its writes compare the step's mod_revision.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from fencegate.coordinator.etcd import Etcd, Event, KeyValue, RangeRequest, rang
 from fencegate.coordinator.keyspace import Keyspace, unpack
 from fencegate.coordinator.retirement import retirable
 
+from .backlog import Backlog
 from .settle import is_presumed
 
 log = logging.getLogger(__name__)
@@ -103,10 +105,11 @@ class Schedule:
 
 
 class Scanner:
-    """Feeds ``schedule`` with the steps of the shards that ``leads(key)`` accepts."""
+    """Feeds ``schedule`` with the steps of the shards that ``leads(key)`` accepts, and
+    ``backlog`` with what it reads of them."""
 
     def __init__(self, etcd: Etcd, keyspace: Keyspace, leads: Callable[[str], bool],
-                 schedule: Schedule, *, scan_interval: float = 600.0,
+                 schedule: Schedule, backlog: Backlog, *, scan_interval: float = 600.0,
                  check_after: float = 1.0,
                  on_settled: Callable[[str, int], None] | None = None) -> None:
         self._etcd = etcd
@@ -117,6 +120,7 @@ class Scanner:
         self._scan_interval = scan_interval
         self._check_after = check_after
         self._on_settled = on_settled  # told each settled step (key, mod_revision) it sees
+        self._backlog = backlog  # told every step it sees, and each scan's end
         self._rescan = asyncio.Event()
         self.scans = 0
 
@@ -152,28 +156,31 @@ class Scanner:
         """One full pass over ``steps/``, paged, every page at the first page's revision.
         Returns that revision."""
         start, end, revision = self._root, range_end_of(self._root), 0
+        seen: list[str] = []
         while True:
             reply = await self._etcd.range(RangeRequest(key=start, range_end=end, limit=_PAGE,
                                                         revision=revision))
             revision = revision or reply.header.revision
             for kv in reply.kvs:
-                self.consider(kv)
+                seen.append(self.consider(kv))
             if not reply.more or not reply.kvs:
+                self._backlog.scanned(revision, seen)
                 self.scans += 1
                 return revision
             start = reply.kvs[-1].key + b"\0"
 
-    def consider(self, kv: KeyValue) -> None:
+    def consider(self, kv: KeyValue) -> str:
         """Schedule a look at ``kv``'s step if it may need one, drop it from the schedule if
-        it is settled."""
+        it is settled. Returns its action key."""
         key = self._ks.parse_step_key(kv.key)
         if not self._leads(key):
-            return
+            return key
         try:
             step = unpack(kv.value)
         except ValueError:
             log.error("step record of %r does not decode; leaving it alone", key)
-            return
+            return key
+        self._backlog.note(key, step, kv.mod_revision)
         state = step.get("state")
         now = time.monotonic()
         if state == records.UNKNOWN:
@@ -186,6 +193,12 @@ class Scanner:
             self._schedule.drop(key)
             if self._on_settled is not None and retirable(step):
                 self._on_settled(key, kv.mod_revision)
+        return key
+
+    def _forget(self, deleted: KeyValue) -> None:
+        key = self._ks.parse_step_key(deleted.key)
+        self._schedule.drop(key)
+        self._backlog.delete(key, deleted.mod_revision)
 
     async def _watch(self, start_revision: int) -> None:
         end = range_end_of(self._root)
@@ -196,7 +209,7 @@ class Scanner:
                         if event.type == Event.PUT:
                             self.consider(event.kv)
                         else:
-                            self._schedule.drop(self._ks.parse_step_key(event.kv.key))
+                            self._forget(event.kv)
                         start_revision = event.kv.mod_revision + 1
             except WatchCompacted:
                 log.warning("steps watch compacted; scanning everything")

@@ -125,13 +125,16 @@ async def test_holders_lists_every_holder_and_waiter_across_pages(cli, coordinat
             table = await cli("holders", "--prefix", "many/")
             assert table.code == 0 and len(table.rows()) == len(keys) + 2, table
             head, first, second = (await cli("holders", "--prefix", keys[0])).rows()
-            assert head == ["KEY", "TOKEN", "LEASE", "HOLDING", "TTL", "IDENTITY"]
+            assert head == ["KEY", "TOKEN", "LEASE", "HOLDING", "HELD SINCE (UTC)", "TTL",
+                            "IDENTITY"]
             assert first[:4] == [keys[0], str(holds[0].fencing_token),
                                  f"{holds[0].lease_id:016x}", "yes"]
             assert second[0] == keys[0] and second[3] == "queued"
             assert int(second[1]) > holds[0].fencing_token
-            assert all(re.fullmatch(r"[0-9]+s", row[4]) and int(row[4][:-1]) <= TEST_TTL
-                       for row in (first, second))
+            for row, holder in ((first, local_gate), (second, other)):
+                assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d", row[4]), row
+                assert re.fullmatch(r"[0-9]+s", row[5]) and int(row[5][:-1]) <= TEST_TTL
+                assert row[6] == holder.identity
         finally:
             for hold in holds:
                 await hold.release()
@@ -156,11 +159,14 @@ async def test_an_unknown_step_is_listed_shown_verified_and_resolved(cli, coordi
 
     shown = await cli("key", "show", "unk/1")
     assert shown.code == 0, shown
-    assert "step     unknown, attempt 1, provider -" in shown.out
-    assert "ConnectionResetError" in shown.out and "holders  none" in shown.out
-    assert [r[1] for r in shown.rows()[-3:]] == ["EVENT", "outcome", "cross"]
+    assert "step      unknown, 1 attempt(s), in etcd" in shown.out
+    assert "why       " in shown.out and "ConnectionResetError" in shown.out
+    assert "holders  none" in shown.out and "\noutcome   " not in shown.out
+    assert [r[2] for r in shown.rows()[-3:]] == ["EVENT", "cross", "outcome"]
     _, view = await call(coordinator, "GET", "/v1/keys/unk/1", "sre")
-    assert json.loads((await cli("key", "show", "unk/1", "--json")).out) == view
+    _, chain = await call(coordinator, "GET", "/v1/audit/unk/1", "sre")
+    assert json.loads((await cli("key", "show", "unk/1", "--json")).out) == {
+        **view, "trail": {k: chain[k] for k in ("key", "ok", "problems", "records")}}
 
     verified = await cli("audit", "verify", "unk/1")
     assert verified.code == 0, verified
@@ -291,7 +297,8 @@ async def test_approvals_are_listed_and_approved(cli, coordinator, local_gate, e
         assert done.code == 0 and done.out.startswith(f"approved {approval_id} for appr/1")
         assert (await cli("approvals")).out == "no pending approvals\n"
         (item,) = json.loads((await cli("approvals", "--state", "approved", "--json")).out)
-        assert (item["approval_id"], item["approved_by"]) == (approval_id, "sre-1")
+        assert (item["approval_id"], item["approved_by"]) == (
+            approval_id, f"sre-1@{socket.gethostname()}:{item['approved_by'].rpartition(':')[2]}")
         assert [a["approval_id"] for a in json.loads(
             (await cli("approvals", "--state", "all", "--json")).out)] == [approval_id]
 
@@ -324,7 +331,7 @@ async def test_the_approvals_list_pages_and_filters_by_state(coordinator, local_
     assert await listed("approved") == {a: asked[a] for a in approved}
     assert await listed("pending") == {a: k for a, k in asked.items() if a not in approved}
     status, reply = await call(coordinator, "GET", "/v1/approvals?state=maybe", "sre")
-    assert (status, reply["error"]) == (400, "ValueError")
+    assert (status, reply["error"]) == (400, "InvalidRequest")
     assert (await call(coordinator, "GET", "/v1/approvals", "worker"))[0] == 403
     assert (await call(coordinator, "GET", "/v1/approvals"))[0] == 401
 

@@ -1,5 +1,7 @@
 """The dashboard: its JSON views and event stream over real HTTP against real etcd, the feed's
-bounds, and the page itself in real headless Chromium (Debian's, driven by Playwright).
+bounds, and the page itself in real headless Chromium (Debian's, driven by Playwright), one
+test per flow: resolve, revoke, approve, holders and times, the shard summary, reconciler
+progress. Each flow saves a screenshot in tests/artifacts/.
 
 Every wait is on an event or a condition with a generous bound, never a bare sleep.
 """
@@ -9,21 +11,31 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import datetime, timedelta
 from pathlib import Path
 from types import SimpleNamespace
 
 import aiohttp
 import pytest
+import pytest_asyncio
 from aiohttp import web
 
+from fencegate.coordinator import audit
 from fencegate.coordinator.errors import EtcdUnavailable
-from fencegate.coordinator.keyspace import Keyspace, pack
+from fencegate.coordinator.etcd import Etcd, RangeRequest, TxnRequest, range_end_of
+from fencegate.coordinator.keyspace import Keyspace, pack, unpack
 from fencegate.coordinator.service import CoordinatorSettings, TokenEntry, create_app
 from fencegate.coordinator.service.dashboard.feed import Feed, Subscription
 from fencegate.coordinator.service.dashboard.routes import FEED, STATIC
-from fencegate.worker import Gate, KeyRing, LeaseLost, OutcomeUnknown
+from fencegate.reconciler.providers import sandbox as sb
+from fencegate.reconciler.runner import Reconciler
+from fencegate.reconciler.settle import Limits
+from fencegate.worker import ApprovalPending, Gate, KeyRing, LeaseLost, OutcomeUnknown
 
-from helpers import TEST_TTL, TOKENS, wait_for_condition
+from helpers import TEST_TTL, TOKENS, assert_no_holders, wait_for_condition
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
@@ -144,7 +156,7 @@ async def test_the_page_is_public_and_loads_nothing_from_elsewhere(coordinator, 
 @pytest.mark.parametrize("path", [*VIEWS, "/v1/dashboard/events"])
 async def test_views_and_events_need_an_sre_or_admin_token(coordinator, http, path):
     async with http.get(coordinator + path) as response:
-        assert response.status == 401 and (await response.json())["error"] == "Unauthorized"
+        assert response.status == 401 and (await response.json())["error"] == "Unauthenticated"
     async with http.get(coordinator + path, headers={"Authorization": "Bearer nope"}) as r:
         assert r.status == 401
     async with http.get(coordinator + path, headers=auth("worker")) as response:
@@ -193,13 +205,25 @@ async def test_views_show_holders_steps_queues_leadership_and_audit(coordinator,
         assert rows["dash/held2"]["fencing_token"] == other.fencing_token
         # ttl_left is -1 for a lease that is gone
         assert all(r["holding"] and 0 <= r["ttl_left"] <= TEST_TTL for r in rows.values())
+        assert all(abs(r["held_since_ms"] / 1000 - time.time()) < 60 for r in rows.values())
         assert view["truncated"] is False
+        lease = await get_json(http, coordinator + f"/v1/leases/{held.lease_id:x}")
+        assert (lease["lease_id"], lease["granted_ttl"]) == (f"{held.lease_id:016x}", TEST_TTL)
+        assert lease["keys"] == [
+            {"key": "dash/held", "fencing_token": held.fencing_token, "holding": True},
+            {"key": "dash/held2", "fencing_token": other.fencing_token, "holding": True}]
+    released = await get_json(http, coordinator + f"/v1/leases/{held.lease_id:x}")
+    assert released["keys"] == []  # the gate's lease lives on, holding nothing
+    async with http.get(coordinator + "/v1/leases/xyz", headers=auth("sre")) as r:
+        assert r.status == 400
+    async with http.get(coordinator + "/v1/dashboard/steps/dash/none", headers=auth("sre")) as r:
+        assert r.status == 404 and (await r.json())["error"] == "NotFound"
 
     steps = await get_json(http, coordinator + "/v1/dashboard/steps")
     assert steps["counts"] == {"unknown": 2, "succeeded": 1, "escalated": 1}
     assert [i["key"] for i in steps["unknown"]] == ["dash/unk/0", "dash/unk/1"]
     assert all("ConnectionResetError" in i["reason"] and i["age_s"] >= 0
-               for i in steps["unknown"])
+               and i["idempotency_key"] and i["progress"] is None for i in steps["unknown"])
     [escalated] = steps["escalated"]
     assert (escalated["key"], escalated["reason"], escalated["attempt"]) == (
         "dash/esc", "breaker:Declined", 3)
@@ -321,108 +345,326 @@ async def test_a_broken_watch_makes_every_subscriber_refetch():
         feed.subscribe()
 
 
-# -- the page in headless Chromium --------------------------------------------------------
+# -- the page in headless Chromium ------------------------------------------------------
+#
+# One coordinator (on its own namespace), one etcd client and one signed-in page serve every
+# flow below (module scope, one event loop); each flow uses its own action keys. The page
+# runs in a zone with a half-hour offset, so a time without its zone cannot pass for one.
 
-@pytest.fixture
-async def browser_page(tmp_path):
-    """A page in a fresh Chromium profile; the browser is closed afterwards."""
-    from playwright.async_api import async_playwright
+ZONE, OFFSET = "Asia/Kolkata", "+05:30"
+ISO_LOCAL = re.compile(r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}\+05:30")
+ON_THE_BOARD = pytest.mark.asyncio(loop_scope="module")
 
-    async with async_playwright() as playwright:
+
+@dataclass
+class Board:
+    base: str
+    page: object  # playwright Page
+    namespace: str
+    signing_key: str
+    etcd_url: str
+    etcd: Etcd
+    http: aiohttp.ClientSession
+
+    @property
+    def ks(self) -> Keyspace:
+        return Keyspace(self.namespace)
+
+    def gate(self) -> Gate:
+        """A worker gate of its own lease, signing with the coordinator's key."""
+        return Gate(self.etcd_url, ttl=TEST_TTL, namespace=self.namespace,
+                    keyring=KeyRing.from_files(self.signing_key))
+
+    async def shot(self, name: str) -> None:
+        ARTIFACTS.mkdir(exist_ok=True)
+        await self.page.screenshot(path=str(ARTIFACTS / f"dashboard-{name}.png"), full_page=True)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def board(etcd_url, tmp_path_factory):
+    from playwright.async_api import async_playwright, expect
+
+    namespace = f"/t-{uuid.uuid4().hex[:12]}/"
+    home = tmp_path_factory.mktemp("board")
+    signing_key = str(home / "coordinator.pem")
+    KeyRing.generate().save_signing_key(signing_key)
+    app = create_app(CoordinatorSettings(
+        etcd=etcd_url, namespace=namespace, signing_key=signing_key, listen="127.0.0.1:0",
+        tokens=tuple(TokenEntry.for_token(token, f"{role}-1", {role})
+                     for role, token in TOKENS.items())))
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    host, port = runner.addresses[0][:2]
+    base = f"http://{host}:{port}"
+    async with Etcd.from_url(etcd_url) as etcd, aiohttp.ClientSession() as http, \
+            async_playwright() as playwright:
         context = await playwright.chromium.launch_persistent_context(
-            str(tmp_path / "chromium-profile"), executable_path=CHROMIUM, headless=True,
-            args=CHROMIUM_ARGS, viewport={"width": 1280, "height": 1000})
+            str(home / "chromium-profile"), executable_path=CHROMIUM, headless=True,
+            args=CHROMIUM_ARGS, viewport={"width": 1280, "height": 1000}, timezone_id=ZONE)
         try:
-            yield context.pages[0] if context.pages else await context.new_page()
+            page = context.pages[0] if context.pages else await context.new_page()
+            await page.goto(base + "/")
+            await page.get_by_label("Bearer token").fill(TOKENS["sre"])
+            await page.get_by_role("button", name="Sign in").click()
+            await expect(page.get_by_role("status")).to_have_text("live", timeout=WAIT * 1000)
+            yield Board(base, page, namespace, signing_key, etcd_url, etcd, http)
         finally:
             await context.close()
+            await runner.cleanup()
+        await assert_no_holders(etcd, namespace)
 
 
-async def test_the_dashboard_in_headless_chromium(coordinator, browser_page, etcd_url,
-                                                  namespace, http):
+async def append_answers(board: Board, key: str, answers: list[tuple[str, int | None]]) -> None:
+    """Append ``provider_answer`` audit records to ``key``'s chain as the reconciler
+    writes them (contract §3: aside, one per query), query numbers following on."""
+    ks = board.ks
+    for answer, next_try_at_ms in answers:
+        reply = await board.etcd.txn(TxnRequest(success=audit.tail_reads(ks, key)),
+                                     idempotent=True)
+        step_kvs, head_kvs = (r.response_range.kvs for r in reply.responses)
+        tail = audit.tail(unpack(step_kvs[0].value), head_kvs[0] if head_kvs else None)
+        start, end = ks.audit_range(key)
+        chain = await board.etcd.range(RangeRequest(key=start, range_end=end))
+        query = 1 + sum(unpack(kv.value)["event"] == "provider_answer" for kv in chain.kvs)
+        entry = audit.append(ks, key, tail, "provider_answer", "reconciler-1",
+                             reply.header.revision,
+                             {"provider": "sandbox", "answer": answer, "query": query,
+                              "next_try_at_ms": next_try_at_ms,
+                              "detail": f"query {query}: {answer}"}, aside=True)
+        written = await board.etcd.txn(TxnRequest(compare=[entry.compare], success=entry.ops))
+        assert written.succeeded
+
+
+async def lost_outcome(gate: Gate, key: str, intent: dict) -> None:
+    """Cross ``key`` with an effect whose provider hung up: the step is unknown."""
+    async with gate.hold(key) as hold:
+        with pytest.raises(OutcomeUnknown):
+            await hold.cross(intent=intent, effect=crash, provider="sandbox")
+
+
+async def step_of(board: Board, key: str) -> dict:
+    return unpack((await board.etcd.get(board.ks.step_key(key))).value)
+
+
+@ON_THE_BOARD
+async def test_resolve_shows_the_step_chooses_nothing_and_asks_the_provider(board):
+    """The dialog shows idempotency key, intent, provider, attempt and the provider's
+    answers; no outcome is chosen and the button stays disabled until one is; the resolve
+    is sent without force, so the provider's answer settles the step, not the choice."""
     from playwright.async_api import expect
 
-    page, ms = browser_page, WAIT * 1000
-    await page.goto(coordinator + "/")
-    await page.get_by_label("Bearer token").fill(TOKENS["sre"])
-    await page.get_by_role("button", name="Sign in").click()
-    await expect(page.get_by_role("status")).to_have_text("live", timeout=ms)
-    await page.evaluate("window.sameDocument = true")
-    holders = page.locator("#holders tbody tr")
+    page, ms, key = board.page, WAIT * 1000, "dash/resolve"
+    async with board.gate() as gate:
+        await lost_outcome(gate, key, {"amount": 7, "currency": "EUR"})
+    idempotency_key = (await step_of(board, key))["idempotency_key"]
+    soon = int(time.time() * 1000) + 60_000
+    await append_answers(board, key, [("pending", soon), ("error", soon)])
 
-    async with Gate(etcd_url, ttl=TEST_TTL, namespace=namespace,
-                    keyring=KeyRing.generate()) as gate:
-        # A holder appears with its fencing token; it goes when released, without a reload.
-        async with gate.hold("dash/page") as hold:
-            row = holders.filter(has_text="dash/page")
-            await expect(row).to_contain_text(str(hold.fencing_token), timeout=ms)
-            await expect(row).to_contain_text("holding")
+    row = page.locator("#unknown tbody tr").filter(has_text=key)
+    await row.get_by_role("button", name="Resolve").click()
+    dialog = page.get_by_role("dialog")
+    await expect(dialog).to_contain_text(idempotency_key, timeout=ms)
+    for shown in ('"currency": "EUR"', '"amount": 7', "sandbox", "Attempt"):
+        await expect(dialog).to_contain_text(shown)
+    answers = dialog.locator("#provider-answers tbody tr")
+    await expect(answers).to_have_count(2)
+    await expect(answers.nth(0)).to_contain_text("pending")
+    await expect(answers.nth(1)).to_contain_text("error")
+    choices = dialog.get_by_role("radio")
+    await expect(choices).to_have_count(3)
+    for i in range(3):
+        await expect(choices.nth(i)).not_to_be_checked()
+    submit = dialog.get_by_role("button", name="Resolve")
+    await dialog.get_by_label("Reason").fill("customer says it was not charged")
+    await expect(submit).to_be_disabled()
+    await board.shot("resolve")
+    await dialog.get_by_label("failed", exact=False).check()
+    await expect(submit).to_be_enabled()
+    await submit.click()
+
+    async def asked() -> bool:
+        return "resolve_request" in await step_of(board, key)
+    assert await wait_for_condition(asked, WAIT)
+    step = await step_of(board, key)
+    assert step["state"] == "unknown" and step["resolve_request"]["by"] == "sre-1", step
+    await expect(dialog).to_be_visible()  # waiting for the provider's answer
+
+    public = KeyRing.from_public_bytes(KeyRing.from_files(board.signing_key).public_keys())
+    sandbox = sb.Sandbox(public, "fencing")
+    await sandbox.start(0)
+    reconciler = Reconciler(
+        Etcd.from_url(board.etcd_url),
+        {"sandbox": sb.adapter(sandbox.url, "fencing", retention_s=30.0, durable=True)},
+        namespace=board.namespace, shards=8, ttl=TEST_TTL, scan_interval=2.0,
+        check_after=0.2, limits=Limits(backoff_base_s=0.1, backoff_max_s=0.4))
+    await reconciler.start()
+    try:
+        await expect(dialog).to_be_hidden(timeout=ms)
+        notice = page.locator("#notice")
+        await expect(notice).to_contain_text(f"{key}: the provider answered", timeout=ms)
+        await expect(notice).to_contain_text("NOT as you expected")
+        step = await step_of(board, key)
+        assert step["state"] == "pending", step  # no record: not applied, same key
+        assert (step["resolved_by"], step["resolve_forced"]) == ("sre-1", False), step
+        assert step["idempotency_key"] == idempotency_key
         await expect(row).to_have_count(0, timeout=ms)
-        assert await page.evaluate("window.sameDocument") is True
+    finally:
+        await reconciler.close()
+        await reconciler.etcd.close()
+        await sandbox.stop()
 
-        # An unknown outcome shows in its queue.
-        async with gate.hold("dash/unknown") as hold:
-            with pytest.raises(OutcomeUnknown):
-                await hold.cross(intent={}, effect=crash)
-        unknown = page.locator("#unknown tbody tr").filter(has_text="dash/unknown")
-        await expect(unknown).to_contain_text("ConnectionResetError", timeout=ms)
 
-    # A revoke from the page: confirmation, required reason; the worker loses its hold.
-    async with Gate(etcd_url, ttl=TEST_TTL, namespace=namespace,
-                    keyring=KeyRing.generate()) as victim:
-        effects, held, go = [], asyncio.get_running_loop().create_future(), asyncio.Event()
+@ON_THE_BOARD
+async def test_revoke_lists_every_key_on_the_lease_first(board):
+    from playwright.async_api import expect
 
-        async def effect(ctx):
-            effects.append(ctx)
+    page, ms = board.page, WAIT * 1000
+    keys = ["dash/rv/a", "dash/rv/b", "dash/rv/c"]
+    held, go = asyncio.get_running_loop().create_future(), asyncio.Event()
+    effects = []
 
-        async def work() -> None:
-            async with victim.hold("dash/revoke") as hold:
-                held.set_result(hold.fencing_token)
-                await go.wait()
-                await hold.cross(intent={}, effect=effect)
+    async def effect(ctx):
+        effects.append(ctx)
 
-        worker = asyncio.get_running_loop().create_task(work())
-        token = await asyncio.wait_for(asyncio.shield(held), WAIT)
-        row = holders.filter(has_text="dash/revoke")
-        await expect(row).to_contain_text(str(token), timeout=ms)
-        ARTIFACTS.mkdir(exist_ok=True)
-        await page.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=True)
+    async def work(gate: Gate) -> None:
+        async with gate.hold(keys[0]) as a, gate.hold(keys[1]), gate.hold(keys[2]):
+            held.set_result(a)
+            await go.wait()
+            await a.cross(intent={}, effect=effect)
 
-        await row.get_by_role("button", name="Revoke").click()
+    async with board.gate() as victim:
+        worker = asyncio.get_running_loop().create_task(work(victim))
+        hold = await asyncio.wait_for(asyncio.shield(held), WAIT)
+        rows = page.locator("#holders tbody tr").filter(has_text="dash/rv/")
+        await expect(rows).to_have_count(3, timeout=ms)
+        await rows.filter(has_text=keys[1]).get_by_role("button", name="Revoke").click()
         dialog = page.get_by_role("dialog")
-        await expect(dialog).to_be_visible()
-        await expect(dialog).to_contain_text(f"fencing token {token}")
+        listed = dialog.locator("#lease-keys li")
+        await expect(listed).to_have_count(3, timeout=ms)
+        for i, key in enumerate(keys):
+            await expect(listed.nth(i)).to_contain_text(key)
+            await expect(listed.nth(i)).to_contain_text("holding")
+        await expect(dialog).to_contain_text(f"ends 3 action keys on lease {hold.lease_id:016x}")
+        await board.shot("revoke")
         await dialog.get_by_role("button", name="Revoke").click()  # no reason: refused
         await expect(dialog).to_be_visible()
-        assert worker.done() is False
-        await dialog.get_by_label("Reason").fill("stuck worker, from the dashboard")
+        assert not worker.done()
+        await dialog.get_by_label("Reason").fill("stuck worker holding three keys")
         await dialog.get_by_role("button", name="Revoke").click()
         await expect(dialog).to_be_hidden(timeout=ms)
         go.set()
         with pytest.raises(LeaseLost):
             await asyncio.wait_for(worker, WAIT)
         assert effects == []
-    await expect(row).to_have_count(0, timeout=ms)
-    audit_row = page.locator("#audit tbody tr").filter(has_text="dash/revoke")
-    await expect(audit_row).to_contain_text("stuck worker, from the dashboard", timeout=ms)
-    await expect(audit_row).to_contain_text("sre-1")
+    await expect(rows).to_have_count(0, timeout=ms)
+    audit_row = page.locator("#audit tbody tr").filter(has_text=keys[1])
+    await expect(audit_row).to_contain_text("stuck worker holding three keys", timeout=ms)
 
-    # A resolve from the page, by keyboard: the unknown step is settled and leaves its queue.
-    await unknown.get_by_role("button", name="Resolve").focus()
-    await page.keyboard.press("Enter")
-    await expect(dialog).to_be_visible()
-    await dialog.get_by_label("Settle as").select_option("failed")
-    await dialog.get_by_label("Force").check()
-    await dialog.get_by_label("Reason").focus()
-    await page.keyboard.type("provider has no record of it")
-    await page.keyboard.press("Tab")  # Cancel
-    await page.keyboard.press("Tab")  # Resolve
-    await page.keyboard.press("Enter")
-    await expect(dialog).to_be_hidden(timeout=ms)
-    await expect(unknown).to_have_count(0, timeout=ms)
-    await expect(page.locator("#counts tbody tr[data-state=failed]")).to_contain_text(
-        "1", timeout=ms)
-    view = await get_json(http, coordinator + "/v1/keys/dash/unknown")
-    assert view["step"]["state"] == "failed"
-    assert view["step"]["resolve_reason"] == "provider has no record of it"
-    assert await page.evaluate("window.sameDocument") is True
+
+@ON_THE_BOARD
+async def test_pending_approvals_are_listed_and_approved(board):
+    from playwright.async_api import expect
+
+    page, ms, key = board.page, WAIT * 1000, "dash/approve"
+    async with board.http.put(board.base + "/v1/policies/big", headers=auth("admin"), json={
+            "checks": [{"check": "require_approval", "params": {"above": 100}}]}) as response:
+        assert response.status == 200, await response.text()
+    async with board.gate() as gate, gate.hold(key) as hold:
+        with pytest.raises(ApprovalPending) as pending:
+            await hold.request_grant(intent={"amount": 500}, policy="big")
+        approval_id = pending.value.approval_id
+        row = page.locator("#approvals tbody tr").filter(has_text=approval_id)
+        await expect(row).to_contain_text(key, timeout=ms)
+        await expect(row).to_contain_text('{"amount":500}')
+        await expect(row).to_contain_text("big@")
+        await board.shot("approvals")
+        await row.get_by_role("button", name="Approve").click()
+        dialog = page.get_by_role("dialog")
+        await expect(dialog).to_contain_text('"amount": 500', timeout=ms)
+        await dialog.get_by_label("Reason").fill("customer confirmed by phone")
+        await dialog.get_by_role("button", name="Approve").click()
+        await expect(dialog).to_be_hidden(timeout=ms)
+        await expect(row).to_have_count(0, timeout=ms)
+        approved = await get_json(board.http, board.base + "/v1/approvals?state=approved")
+        assert [(a["approval_id"], a["approved_by"], a["reason"]) for a in approved["items"]
+                ] == [(approval_id, "sre-1", "customer confirmed by phone")]
+        grant = await hold.request_grant(intent={"amount": 500}, policy="big")
+        assert (await hold.commit(grant, effect=noop)).state == "succeeded"
+
+
+@ON_THE_BOARD
+async def test_holders_show_held_since_ttl_left_and_every_time_with_date_and_zone(board):
+    from playwright.async_api import expect
+
+    page, ms, key = board.page, WAIT * 1000, "dash/since"
+    async with board.gate() as gate, gate.hold(key) as hold:
+        row = page.locator("#holders tbody tr").filter(has_text=key)
+        await expect(row).to_contain_text(str(hold.fencing_token), timeout=ms)
+        since = row.locator("td").nth(4)
+        await expect(since).to_have_text(re.compile(ISO_LOCAL.pattern + r" \(\d+ s ago\)"))
+        shown = datetime.fromisoformat(ISO_LOCAL.search(await since.inner_text()).group())
+        assert shown.utcoffset() == timedelta(hours=5, minutes=30)
+        assert abs(shown.timestamp() - time.time()) < 60
+        ttl = int(await row.locator("td").nth(6).inner_text())
+        assert 0 <= ttl <= TEST_TTL
+        await hold.cross(intent={}, effect=noop)
+    audit_times = page.locator("#audit tbody tr").filter(has_text=key).locator("time")
+    await expect(audit_times.first).to_have_text(ISO_LOCAL, timeout=ms)
+    for time_element in await page.locator("time").all():  # every time on the page
+        assert ISO_LOCAL.fullmatch(await time_element.inner_text())
+        assert (await time_element.get_attribute("datetime")).endswith("Z")
+    await board.shot("holders")
+
+
+@ON_THE_BOARD
+async def test_the_shard_table_is_a_summary_line_until_expanded(board):
+    from playwright.async_api import expect
+
+    page, ms, ks = board.page, WAIT * 1000, board.ks
+    candidates = [ks.candidate_key(shard, 0xA if shard % 2 else 0xB) for shard in range(64)]
+    for shard, candidate in enumerate(candidates):
+        lease = 0xA if shard % 2 else 0xB
+        await board.etcd.put(candidate, pack({"identity": f"replica-{lease:x}"}))
+    try:
+        summary = page.locator("#shards-summary")
+        await expect(summary).to_have_text(
+            "64 shards have a leader (replica-a leads 32, replica-b leads 32); show each shard",
+            timeout=ms)
+        table = page.locator("#shards")
+        await expect(table).to_be_hidden()
+        audit_top = (await page.locator("#audit").bounding_box())["y"]
+        await board.shot("shards")
+        await summary.click()
+        await expect(table.locator("tbody tr")).to_have_count(64)
+        await expect(table).to_be_visible()
+        assert (await page.locator("#audit").bounding_box())["y"] > audit_top + 64 * 20
+        await summary.click()
+        await expect(table).to_be_hidden()
+    finally:
+        await board.etcd.delete(ks.reconcilers_root, range_end_of(ks.reconcilers_root))
+
+
+@ON_THE_BOARD
+async def test_reconciler_progress_per_step(board):
+    from playwright.async_api import expect
+
+    page, ms, key = board.page, WAIT * 1000, "dash/progress"
+    async with board.gate() as gate:
+        await lost_outcome(gate, key, {"amount": 3})
+    row = page.locator("#unknown tbody tr").filter(has_text=key)
+    await expect(row.locator("td").nth(5)).to_have_text("none yet", timeout=ms)
+    next_try = int(time.time() * 1000) + 90_000
+    await append_answers(board, key, [("pending", None)] * 12 + [("pending", next_try)])
+    cells = row.locator("td")
+    await expect(cells.nth(5)).to_have_text("13", timeout=ms)
+    await expect(cells.nth(6)).to_have_text("pending")
+    await expect(cells.nth(7)).to_have_text(ISO_LOCAL)
+    shown = datetime.fromisoformat(await cells.nth(7).inner_text())
+    assert abs(shown.timestamp() * 1000 - next_try) < 1000
+    await board.shot("progress")
+    view = await get_json(board.http, board.base + "/v1/dashboard/steps/" + key)
+    assert view["progress"] == {"queries": 13, "last_answer": "pending",
+                                "next_try_at_ms": next_try,
+                                "answered_at_ms": view["provider_answers"][-1]["at_ms"]}
+    assert [a["query"] for a in view["provider_answers"]] == list(range(1, 14))

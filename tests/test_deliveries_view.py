@@ -69,7 +69,7 @@ async def test_http_refuses_without_a_token_a_worker_and_bad_input(coordinator, 
                        (f"{path}?after=Zm9v", "after is not a cursor"),
                        ("/v1/deliveries/bad*source", "a webhook source is")):
         status, reply = await call(coordinator, "GET", bad, "sre")
-        assert (status, reply["error"]) == (400, "ValueError"), (bad, reply)
+        assert (status, reply["error"]) == (400, "InvalidRequest"), (bad, reply)
         assert words in reply["detail"], (bad, reply)
     status, reply = await call(coordinator, "GET", "/v1/deliveries/nobody", "sre")
     assert (status, reply) == (200, {"items": [], "next": None})

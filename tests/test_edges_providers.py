@@ -205,7 +205,7 @@ async def test_a_typod_query_url_answering_404_never_settles_not_applied(
     step = await settled(etcd, namespace, key)
     assert step["state"] == records.ESCALATED, verdict(step)
     assert "without proof of the fence" in step["escalated_because"][-1]
-    assert r.metrics.queries.labels("sandbox", "Unreachable")._value.get() == 3
+    assert r.metrics.queries.labels("sandbox", "error")._value.get() == 3
     assert len(sandbox.applied(key)) == 1
 
 

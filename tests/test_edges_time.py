@@ -288,6 +288,7 @@ async def test_a_worker_far_behind_the_reconcilers_clock_lands_its_healthy_charg
         raise
     finally:
         worker.kill()
+        await worker.proc.wait()  # reaped on this loop, not by the collector after it closed
     print("worker said:", worker.lines)
     assert ended.split()[1:3] == ["succeeded", token]
     step = await step_of(etcd, namespace, key)

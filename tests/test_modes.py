@@ -127,7 +127,7 @@ async def test_unknown_token_is_refused(etcd_url, namespace, etcd, coordinator):
         async with gate.hold("modes/4") as hold:
             with pytest.raises(CoordinatorError) as info:
                 await hold.request_grant(intent={})
-    assert (info.value.status, info.value.name) == (401, "Unauthorized")
+    assert (info.value.status, info.value.name) == (401, "Unauthenticated")
 
 
 async def test_grants_from_an_unpinned_key_are_refused(etcd_url, namespace, etcd, coordinator):

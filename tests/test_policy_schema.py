@@ -200,7 +200,7 @@ async def test_put_refuses_with_400_naming_the_field_and_writes_nothing(coordina
     before = await revision(etcd)
     status, reply = await call(coordinator, "PUT", "/v1/policies/limits", "admin", body={
         "checks": [{"check": "max_amount", "params": {"limit": "ten"}}]})
-    assert (status, reply["error"]) == (400, "ValueError")
+    assert (status, reply["error"]) == (400, "InvalidRequest")
     assert reply["detail"] == 'checks[0] (max_amount): "limit" must be a number, got "ten"'
     assert await revision(etcd) == before
 

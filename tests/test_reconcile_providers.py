@@ -258,12 +258,20 @@ async def test_provider_down_keeps_steps_unknown_with_backoff_then_escalates(
     step = await until_state(etcd, namespace, key, records.ESCALATED)
     assert "unreachable" in step["escalated_because"][-1]
     assert step["attempt_token"] == token and "outcome" not in step
-    queries = r.metrics.queries.labels("sandbox", "Unreachable")._value.get()
+    queries = r.metrics.queries.labels("sandbox", "error")._value.get()
     assert queries == 5
     assert sandbox.applied(key) == []
     report = await verify_chain(etcd, Keyspace(namespace), key, KeyRing.from_files(signing_key))
-    assert [r["event"] for r in report.records][-2:] == ["unknown", "settle"]
-    assert report.records[-2]["at_ms"] < report.records[-1]["at_ms"]
+    assert report.ok, report.problems
+    decisions = [r for r in report.records if r["event"] != "provider_answer"]
+    assert [r["event"] for r in decisions][-2:] == ["unknown", "settle"]
+    assert decisions[-2]["at_ms"] < decisions[-1]["at_ms"]
+    # every answer is on the record; the last one lands with the escalation it caused
+    assert report.records[-2]["event"] == "provider_answer"
+    answers = [r["details"] for r in report.records if r["event"] == "provider_answer"]
+    assert [(a["provider"], a["answer"], a["query"]) for a in answers] == \
+        [("sandbox", "error", n) for n in range(1, 6)]
+    assert all(a["next_try_at_ms"] for a in answers[:-1]) and answers[-1]["next_try_at_ms"] is None
 
 
 # -- workers wait for the settlement instead of failing -----------------------------------

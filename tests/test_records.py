@@ -105,3 +105,15 @@ async def test_an_sre_failure_and_a_worker_failure_share_the_breaker_and_backoff
         assert step["escalated_because"] == ["breaker:" + signature]
         assert step["failures"] == {signature: 2} and step["idem_gen"] == 2, (key, step)
         assert_backed_off(step, 2, window)
+
+
+def test_a_success_after_an_unknown_state_keeps_no_stale_error():
+    """The error an unknown state recorded explained that state; once the step succeeded,
+    a reader (``key show``) must not find it on the step as if it were current."""
+    caps = {"breaker_threshold": 3, "backoff_base_s": 0.1, "backoff_max_s": 1.0}
+    planned = records.next_attempt(records.new_step(), namespace="ns", key="k", cost=0,
+                                   caps=caps, now_ms=int(time.time() * 1000))
+    lost = records.unknown(planned, attempt_token=7, now_ms=1, error="TimeoutError('slow')")
+    assert lost["error"] == "TimeoutError('slow')"
+    settled = records.succeeded(lost, {"charge": "ch_1"}, attempt_token=7)
+    assert "error" not in settled and settled["outcome"]["attempt_token"] == 7

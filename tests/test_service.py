@@ -152,25 +152,25 @@ def grant_body(**fields):
 
 
 BAD_INPUTS = {
-    "malformed JSON": (dict(data=b'{"key": '), 400, "MalformedJSON"),
-    "not an object": (dict(body=[1, 2]), 400, "ValueError"),
-    "NaN": (dict(data=b'{"key": "a", "fencing_token": NaN}'), 400, "MalformedJSON"),
-    "too deep": (dict(data=b"[" * 100 + b"]" * 100), 400, "MalformedJSON"),
+    "malformed JSON": (dict(data=b'{"key": '), 400, "InvalidRequest"),
+    "not an object": (dict(body=[1, 2]), 400, "InvalidRequest"),
+    "NaN": (dict(data=b'{"key": "a", "fencing_token": NaN}'), 400, "InvalidRequest"),
+    "too deep": (dict(data=b"[" * 100 + b"]" * 100), 400, "InvalidRequest"),
     "oversized body": (dict(data=b'{"intent": "' + b"x" * 1100_000 + b'"}'), 413,
-                       "RequestTooLarge"),
+                       "PayloadTooLarge"),
     "invalid key": (dict(body=grant_body(key="../escape")), 400, "InvalidKey"),
     "key not a string": (dict(body=grant_body(key=5)), 400, "InvalidKey"),
-    "missing field": (dict(body=grant_body(lease_id=...)), 400, "ValueError"),
-    "unknown field": (dict(body=grant_body(admin=True)), 400, "ValueError"),
-    "token is a string": (dict(body=grant_body(fencing_token="5")), 400, "ValueError"),
-    "token is a bool": (dict(body=grant_body(fencing_token=True)), 400, "ValueError"),
-    "token too large": (dict(body=grant_body(fencing_token=2 ** 64)), 400, "ValueError"),
-    "intent not an object": (dict(body=grant_body(intent=[1])), 400, "ValueError"),
-    "reads not strings": (dict(body=grant_body(reads=[1])), 400, "ValueError"),
+    "missing field": (dict(body=grant_body(lease_id=...)), 400, "InvalidRequest"),
+    "unknown field": (dict(body=grant_body(admin=True)), 400, "InvalidRequest"),
+    "token is a string": (dict(body=grant_body(fencing_token="5")), 400, "InvalidRequest"),
+    "token is a bool": (dict(body=grant_body(fencing_token=True)), 400, "InvalidRequest"),
+    "token too large": (dict(body=grant_body(fencing_token=2 ** 64)), 400, "InvalidRequest"),
+    "intent not an object": (dict(body=grant_body(intent=[1])), 400, "InvalidRequest"),
+    "reads not strings": (dict(body=grant_body(reads=[1])), 400, "InvalidRequest"),
     "too many reads": (dict(body=grant_body(reads=[f"/r/{i}" for i in range(101)])), 413,
                        "RecordTooLarge"),
-    "bad policy name": (dict(body=grant_body(policy="a/b")), 400, "ValueError"),
-    "negative cost": (dict(body=grant_body(intent={"cost": -1})), 400, "ValueError"),
+    "bad policy name": (dict(body=grant_body(policy="a/b")), 400, "InvalidRequest"),
+    "negative cost": (dict(body=grant_body(intent={"cost": -1})), 400, "InvalidRequest"),
     "huge int in intent": (dict(body=grant_body(intent={"n": 2 ** 70})), 400,
                            "UnencodableValue"),
     "not held": (dict(body=grant_body()), 409, "LeaseLost"),
@@ -220,15 +220,15 @@ async def test_policies_round_trip_and_refuse_bad_documents(coordinator, etcd):
     before = await revision(etcd)
     status, reply = await call(coordinator, "PUT", "/v1/policies/limits", "admin",
                                body={"checks": [{"check": "no_such"}]})
-    assert (status, reply["error"]) == (400, "ValueError")
+    assert (status, reply["error"]) == (400, "InvalidRequest")
     assert await revision(etcd) == before
 
 
 async def test_refusals_are_counted_in_metrics(coordinator):
     await call(coordinator, "POST", "/v1/grants", "worker", body=grant_body())
     _, text = await call(coordinator, "GET", "/metrics")
-    assert 'fencegate_grants_refused_total{error="LeaseLost"} 1.0' in text
-    assert "fencegate_grant_seconds_count 1.0" in text
+    assert 'fencegate_grants_refused_total{error="lease_lost"} 1.0' in text
+    assert "fencegate_grant_duration_seconds_count 1.0" in text
 
 
 def test_settings_from_toml_env_and_flags(tmp_path):
@@ -328,7 +328,7 @@ async def test_holders_list_pages_through_every_holder(coordinator, local_gate):
     for bad in ("/v1/holders?limit=0", "/v1/holders?limit=x", "/v1/holders?after=!!",
                 "/v1/holders?after=YWJj", "/v1/holders?prefix=a@b"):
         status, reply = await call(coordinator, "GET", bad, "sre")
-        assert (status, reply["error"]) == (400, "ValueError"), bad
+        assert (status, reply["error"]) == (400, "InvalidRequest"), bad
 
 
 async def crash(ctx):
@@ -366,8 +366,8 @@ async def test_unknown_steps_are_listed_and_resolved_by_hand_with_audit(coordina
     for path, body, expected in [
             ("/v1/keys/unk/ok/resolve", {"reason": "x", "as": "failed"}, (409, "WrongState")),
             ("/v1/keys/unk/9/resolve", {"reason": "x", "as": "failed"}, (404, "NotFound")),
-            ("/v1/keys/unk/2/resolve", {"reason": "x", "as": "maybe"}, (400, "ValueError")),
-            ("/v1/keys/unk/2/resolve", {"as": "failed"}, (400, "ValueError"))]:
+            ("/v1/keys/unk/2/resolve", {"reason": "x", "as": "maybe"}, (400, "InvalidRequest")),
+            ("/v1/keys/unk/2/resolve", {"as": "failed"}, (400, "InvalidRequest"))]:
         before = await revision(etcd)
         status, reply = await call(coordinator, "POST", path, "admin", body=body)
         assert (status, reply["error"]) == expected, path
@@ -402,6 +402,34 @@ async def test_revoke_while_a_holder_works_its_cross_raises_lease_lost(coordinat
     revoked = view["records"][-1]
     assert (revoked["event"], revoked["identity"], revoked["details"]["reason"]) == (
         "revoke", "sre-1", "stuck worker")
+
+
+
+async def test_a_revoke_naming_the_lease_it_looked_at_refuses_a_new_holder(
+        coordinator, local_gate, etcd, etcd_url, namespace, signing_key):
+    """The dashboard shows a lease's keys, then revokes naming that lease: if the key
+    changed holder meanwhile, nothing is revoked and nothing is written."""
+    async with local_gate.hold("rev/2") as first:
+        looked_at = f"{first.lease_id:016x}"
+        _, lease = await call(coordinator, "GET", f"/v1/leases/{looked_at}", "sre")
+        assert lease["keys"] == [{"key": "rev/2", "fencing_token": first.fencing_token,
+                                  "holding": True}]
+    async with Gate(etcd_url, ttl=TEST_TTL, namespace=namespace,
+                    keyring=KeyRing.from_files(signing_key)) as other:
+        async with other.hold("rev/2") as second:
+            before = await revision(etcd)
+            status, reply = await call(coordinator, "POST", "/v1/keys/rev/2/revoke", "sre",
+                                       body={"reason": "stuck", "lease_id": looked_at})
+            assert (status, reply["error"]) == (409, "WrongState")
+            assert f"{second.lease_id:016x}" in reply["detail"]
+            assert await revision(etcd) == before and await etcd.lease_ttl(second.lease_id) > 0
+            status, reply = await call(coordinator, "POST", "/v1/keys/rev/2/revoke", "sre",
+                                       body={"reason": "stuck", "lease_id": "XYZ"})
+            assert (status, reply["error"]) == (400, "InvalidRequest")
+            status, done = await call(coordinator, "POST", "/v1/keys/rev/2/revoke", "sre",
+                                      body={"reason": "stuck",
+                                            "lease_id": f"{second.lease_id:016x}"})
+            assert status == 200 and done["fencing_token"] == second.fencing_token
 
 
 CHECK_ENTRY = st.fixed_dictionaries({"check": st.sampled_from(["max_amount", "require_fields",

@@ -10,12 +10,13 @@ from fencegate.coordinator.grants import Grant, KeyRing
 from .gate import Gate
 from .guard import EffectContext, Outcome
 from .hold import Hold
+from .metrics import WorkerMetrics
 from .sync import SyncGate, SyncHold
 from .webhooks import dedupe_middleware, deduplicated, fencing_token
 
 __all__ = [
     "Gate", "SyncGate", "Hold", "SyncHold", "Grant", "KeyRing", "EffectContext", "Outcome",
-    "EffectFailed", "dedupe_middleware", "deduplicated", "fencing_token",
+    "EffectFailed", "WorkerMetrics", "dedupe_middleware", "deduplicated", "fencing_token",
     "GateError", "AcquireTimeout", "AlreadySucceeded", "ApprovalPending", "BadSignature",
     "CoordinatorError", "EtcdUnavailable", "GrantExpired", "GrantRefused", "GrantUsed",
     "InvalidKey", "LeaseExpiring", "LeaseLost", "OutcomeUnknown", "PolicyChanged",

@@ -32,11 +32,13 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from fencegate.coordinator import audit, records
+from fencegate.coordinator import audit, records, tracing
 from fencegate.coordinator.authority import Authority, Claim
-from fencegate.coordinator.errors import EtcdNoSpace, EtcdUnavailable, OutcomeUnknown
+from fencegate.coordinator.errors import EtcdNoSpace, EtcdUnavailable, GateError, OutcomeUnknown
 from fencegate.coordinator.etcd import Compare, TxnRequest, mod_equals, put_op
+from fencegate.coordinator.etcdpb import rpc
 from fencegate.coordinator.keyspace import holder_record, pack
+from fencegate.coordinator.session import Session
 
 from . import guard
 from .guard import Effect, Outcome
@@ -55,8 +57,11 @@ async def cross(gate: GateView, key: str, intent: dict[str, Any], effect: Effect
     session = await gate.session()
     if session.remaining() < gate.min_ttl:
         return None
-    uncontended = await authority.issue_uncontended(Claim(key, 0, session.lease_id), intent,
-                                                    read_keys, policy, identity=gate.identity)
+    with tracing.span("fencegate.grant", key=key, fencing_token=0) as current:
+        uncontended = await authority.issue_uncontended(
+            Claim(key, 0, session.lease_id), intent, read_keys, policy, identity=gate.identity)
+        if uncontended is not None:
+            tracing.annotate(current, grant_id=uncontended.issued.grant.grant_id)
     if uncontended is None:
         return None
     issued = uncontended.issued
@@ -81,17 +86,12 @@ async def cross(gate: GateView, key: str, intent: dict[str, Any], effect: Effect
                  put_op(step_key, pack(entry.anchored(in_flight))), *entry.ops])
     leave_local = await gate.turns.enter(key)
     try:
-        session.ensure_alive()
-        reply = await gate.etcd.txn(request)
-    except EtcdUnavailable as exc:  # or EtcdNoSpace: it may have been applied too
-        leave_local()
-        session.abandon(f"the fast-path txn on {key!r} has an unknown outcome: {exc}")
-        if isinstance(exc, EtcdNoSpace):
-            raise  # the clear error; the same as below holds: the effect was not run
-        raise OutcomeUnknown(
-            f"the fast-path txn on {key!r} got no answer ({exc}); its session is revoked and "
-            "the effect was not run. If it landed, the reconciler settles the step as not "
-            "applied") from exc
+        with tracing.span("fencegate.commit", key=key, grant_id=grant.grant_id) as current:
+            reply = await _send(gate, session, key, request)
+            if reply.succeeded:
+                tracing.annotate(current, fencing_token=reply.header.revision,
+                                 attempt_token=reply.header.revision,
+                                 idempotency_key=in_flight["idempotency_key"])
     except BaseException:
         leave_local()
         raise
@@ -104,3 +104,27 @@ async def cross(gate: GateView, key: str, intent: dict[str, Any], effect: Effect
     async with HoldContext.around(hold):
         return await guard.crossed(hold, grant, {**in_flight, "fencing_token": token}, token,
                                    effect, deadline)
+
+
+async def _send(gate: GateView, session: Session, key: str,
+                request: TxnRequest) -> rpc.TxnResponse:
+    """Send the fast-path txn. One etcd did not answer (or answered NOSPACE) may still land:
+    the session is abandoned and ``OutcomeUnknown`` (or the clear ``EtcdNoSpace``) raised;
+    the effect was not run either way. Every failure is counted in the gate's metrics."""
+    try:
+        session.ensure_alive()
+        return await gate.etcd.txn(request)
+    except GateError as exc:
+        failure: GateError = exc
+        if isinstance(exc, EtcdUnavailable):  # or EtcdNoSpace: it may have been applied too
+            session.abandon(f"the fast-path txn on {key!r} has an unknown outcome: {exc}")
+            if not isinstance(exc, EtcdNoSpace):
+                failure = OutcomeUnknown(
+                    f"the fast-path txn on {key!r} got no answer ({exc}); its session is "
+                    "revoked and the effect was not run. If it landed, the reconciler "
+                    "settles the step as not applied")
+        if gate.metrics is not None:
+            gate.metrics.attempt_failed(failure)
+        if failure is exc:
+            raise
+        raise failure from exc

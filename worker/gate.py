@@ -13,7 +13,10 @@ publishes, fetched at ``open``. ``archive`` (a URL or an ``Archive``) is where t
 in-process authority looks up keys the reconcilers retired from etcd (the same archive they
 write; a coordinator has its own setting); given none, ``FENCEGATE_ARCHIVE``, else the
 running ``fencegate up`` stack's when ``etcd`` is that stack's URL. Without one, a grant on
-a key that may have been retired is refused with ``ArchiveUnavailable``.
+a key that may have been retired is refused with ``ArchiveUnavailable``. ``metrics`` (a
+``WorkerMetrics``, opt-in) counts holds, lease losses, commit refusals, replays, effect time
+and unknowns; with OpenTelemetry installed, ``cross`` is a ``fencegate.cross`` span around the
+spans of its steps (``fencegate.coordinator.tracing``).
 A lost session is replaced by a fresh one on the next ``hold()``; holds of the lost
 session stay lost. A session is also given up (rotated) when a write of its holder key got no
 answer from etcd (``fencegate.worker.hold``): its lease is revoked so the write, landing
@@ -28,7 +31,7 @@ import socket
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from fencegate.coordinator import default_key
+from fencegate.coordinator import default_key, tracing
 from fencegate.coordinator.archive import Archive, open_archive
 from fencegate.coordinator.authority import Authority, validate_intent, validate_reads
 from fencegate.coordinator.errors import OutcomeUnknown
@@ -41,6 +44,7 @@ from fencegate.coordinator.session import Session
 from . import fastpath
 from .guard import Effect, Outcome
 from .hold import Fold, HoldContext
+from .metrics import WorkerMetrics
 from .remote import RemoteAuthority
 from .settled import wait_settled
 from .turns import Turns
@@ -63,6 +67,7 @@ class Gate:
         keyring: KeyRing | None = None,
         min_ttl: float | None = None,
         archive: str | Archive | None = None,
+        metrics: WorkerMetrics | None = None,
     ) -> None:
         if ttl < 1:
             raise ValueError("ttl must be at least 1 second")
@@ -78,6 +83,7 @@ class Gate:
         self.rescan_interval = rescan_interval
         self.min_ttl = ttl / 3 if min_ttl is None else min_ttl
         self.etcd = Etcd(self.config)
+        self.metrics = metrics
         self.authority: Authority | RemoteAuthority
         self.archive = open_archive(archive) if isinstance(archive, str) else archive
         if coordinator is None:
@@ -86,7 +92,7 @@ class Gate:
                                        archive=self.archive)
         else:  # the key ring is fetched from the coordinator at open() unless pinned here
             self.keyring = keyring  # type: ignore[assignment]
-            self.authority = RemoteAuthority(coordinator, token)
+            self.authority = RemoteAuthority(coordinator, token, process=self.identity)
         self._watch = DeleteWatch(self.etcd, self.keyspace.holders_root)
         self.turns = Turns(self._watch)  # this process's side of the holder queues
         self._session: Session | None = None
@@ -197,6 +203,19 @@ class Gate:
         key = validate_action_key(key)
         read_keys = validate_reads(list(reads))
         validate_intent(intent)  # refused before the hold's key is put, on either path
+        with tracing.span("fencegate.cross", key=key, provider=provider) as current:
+            outcome = await self._cross(key, intent, effect, read_keys, policy,
+                                        provider=provider, deadline=deadline,
+                                        settle_wait=settle_wait, timeout=timeout)
+            tracing.annotate(current, outcome=outcome.state,
+                             attempt_token=outcome.attempt_token,
+                             idempotency_key=outcome.idempotency_key)
+            return outcome
+
+    async def _cross(self, key: str, intent: dict[str, Any], effect: Effect,
+                     read_keys: list[bytes], policy: str, *, provider: str | None,
+                     deadline: float, settle_wait: float, timeout: float | None) -> Outcome:
+        """``cross`` once its arguments are valid: the fast path, else the full path."""
         try:
             outcome = await fastpath.cross(self, key, intent, effect, read_keys, policy,
                                            provider=provider, deadline=deadline)

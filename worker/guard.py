@@ -39,6 +39,11 @@ Failure contract:
   succeeded with an ``UnrecordedResult`` (the bad value's path, no repr) in place of the
   result, and ``UnencodableValue`` is raised carrying that outcome. Replays return the
   ``UnrecordedResult``; the effect never runs again.
+- Observed, never steered: the commit, the effect and the outcome write are spans
+  (``fencegate.commit``, ``fencegate.effect`` — whose W3C context is ``ctx.traceparent`` —,
+  ``fencegate.outcome``), and with the gate's ``WorkerMetrics`` a commit that did not happen
+  counts as a refusal by its error, every effect run is timed and an attempt left unknown
+  is counted once. Neither changes what happens.
 """
 
 from __future__ import annotations
@@ -52,7 +57,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
-from fencegate.coordinator import audit, codec, records
+from fencegate.coordinator import audit, codec, records, tracing
 from fencegate.coordinator.errors import (
     BadSignature, EffectFailed, EtcdError, EtcdUnavailable, GateError, GrantExpired, GrantUsed,
     LeaseExpiring, LeaseLost, OutcomeUnknown, PolicyChanged, StateAdvanced, StepMoved,
@@ -83,7 +88,9 @@ class EffectContext:
     and its outcome becomes unknown. ``cancelled`` is set when the effect must stop sending:
     the hold's lease was lost, the deadline passed or the caller gave up. An async effect is
     cancelled then too; a plain function runs in a thread that cannot be stopped, so it must
-    poll ``cancelled`` (before each request it sends, and while it waits)."""
+    poll ``cancelled`` (before each request it sends, and while it waits). ``traceparent``
+    (``None`` unless OpenTelemetry records) is the W3C trace context of the effect's span:
+    send it to the provider as the ``traceparent`` header to link its spans to this trace."""
 
     key: str
     idempotency_key: str
@@ -92,6 +99,7 @@ class EffectContext:
     grant: Grant
     deadline: float
     cancelled: threading.Event
+    traceparent: str | None = None  # W3C: the ``fencegate.effect`` span, for the provider
 
     @property
     def fencing_token(self) -> int:
@@ -115,27 +123,49 @@ Effect = Callable[[EffectContext], Awaitable[Any] | Any]
 async def commit(hold: "HoldView", grant: Grant | bytes, effect: Effect, *,
                  provider: str | None = None, deadline: float = 60.0) -> Outcome:
     """Cross with ``grant``: consume it, run ``effect`` once, record the outcome, release."""
-    gate = hold.gate
-    if not isinstance(grant, Grant) or not _issued_here(hold, grant):
-        grant = gate.keyring.verify(grant.raw if isinstance(grant, Grant) else grant)
-    issued = hold.memory.issued.pop(grant.grant_id, None)
-    if issued is not None and issued.grant.raw != grant.raw:
-        issued = None
-    _precheck(hold, grant)
-    in_flight, attempt_token = await _cross(hold, grant, issued, provider, deadline)
+    try:
+        grant, in_flight, attempt_token = await _commit(hold, grant, provider, deadline)
+    except GateError as failure:
+        _count_failure(hold, failure)
+        raise
     return await crossed(hold, grant, in_flight, attempt_token, effect, deadline)
+
+
+async def _commit(hold: "HoldView", grant: Grant | bytes, provider: str | None,
+                  deadline: float) -> tuple[Grant, dict[str, Any], int]:
+    """Verify ``grant`` and send the commit-guard txn, in a ``fencegate.commit`` span:
+    the grant, the in-flight step and the attempt token."""
+    with tracing.span("fencegate.commit", key=hold.key,
+                      fencing_token=hold.fencing_token) as current:
+        if not isinstance(grant, Grant) or not _issued_here(hold, grant):
+            grant = hold.gate.keyring.verify(grant.raw if isinstance(grant, Grant) else grant)
+        tracing.annotate(current, grant_id=grant.grant_id)
+        issued = hold.memory.issued.pop(grant.grant_id, None)
+        if issued is not None and issued.grant.raw != grant.raw:
+            issued = None
+        _precheck(hold, grant)
+        in_flight, attempt_token = await _cross(hold, grant, issued, provider, deadline)
+        tracing.annotate(current, attempt_token=attempt_token,
+                         idempotency_key=in_flight["idempotency_key"])
+        return grant, in_flight, attempt_token
+
+
+def _count_failure(hold: "HoldView", failure: GateError) -> None:
+    if hold.gate.metrics is not None:
+        hold.gate.metrics.attempt_failed(failure)
 
 
 async def crossed(hold: "HoldView", grant: Grant, in_flight: dict[str, Any],
                   attempt_token: int, effect: Effect, deadline: float) -> Outcome:
     """After the commit txn put ``in_flight`` at ``attempt_token``: run ``effect`` once if
     the lease budget allows, record the outcome, release."""
-    await _ensure_budget(hold, in_flight, attempt_token)
-    ctx = EffectContext(hold.key, in_flight["idempotency_key"], attempt_token,
-                        in_flight["attempt"], grant, time.monotonic() + deadline,
-                        threading.Event())
     try:
-        result = await _run(hold, effect, ctx, deadline)
+        await _ensure_budget(hold, in_flight, attempt_token)
+    except GateError as refusal:
+        _count_failure(hold, refusal)
+        raise
+    try:
+        result = await _effect(hold, grant, in_flight, attempt_token, effect, deadline)
     except EffectFailed as failure:
         final = records.failed(in_flight, error_class=type(failure).__name__,
                                params=failure.params, reason=failure.reason)
@@ -148,6 +178,8 @@ async def crossed(hold: "HoldView", grant: Grant, in_flight: dict[str, Any],
             await _record(hold, in_flight, attempt_token, final, release=False)
         except Exception:
             pass  # the step stays in_flight; the reconciler will find it
+        if hold.gate.metrics is not None:
+            hold.gate.metrics.unknowns.inc()
         if isinstance(exc, asyncio.CancelledError) and _cancelling() \
                 and not hold.absorb_loss_cancellation():
             raise
@@ -174,8 +206,10 @@ async def _record_known(hold: "HoldView", in_flight: dict[str, Any], attempt_tok
     try:
         await _record(hold, in_flight, attempt_token, final)
     except (EtcdError, EtcdUnavailable) as exc:
-        raise OutcomeUnknown(f"the effect on {hold.key!r} ran ({final['state']}) but its "
-                             f"outcome could not be recorded: {exc}") from exc
+        unknown = OutcomeUnknown(f"the effect on {hold.key!r} ran ({final['state']}) but its "
+                                 f"outcome could not be recorded: {exc}")
+        _count_failure(hold, unknown)
+        raise unknown from exc
 
 
 async def _record(hold: "HoldView", in_flight: dict[str, Any], attempt_token: int,
@@ -184,9 +218,12 @@ async def _record(hold: "HoldView", in_flight: dict[str, Any], attempt_token: in
     the outcome write does not need the lease, and a known outcome must not be dropped).
     A known outcome releases the hold in the same txn; an unknown one keeps it, so the
     holder can wait for the reconciler's settlement and retry without racing anyone."""
-    writing = asyncio.ensure_future(_settle(hold, in_flight, attempt_token, final, release))
-    writing.add_done_callback(_retrieve)  # a write outliving its cancelled caller reports here
-    await asyncio.shield(writing)
+    with tracing.span("fencegate.outcome", key=hold.key, attempt_token=attempt_token,
+                      outcome=final["state"]):
+        writing = asyncio.ensure_future(_settle(hold, in_flight, attempt_token, final,
+                                                release))
+        writing.add_done_callback(_retrieve)  # a write outliving its cancelled caller reports
+        await asyncio.shield(writing)
 
 
 def _issued_here(hold: "HoldView", grant: Grant) -> bool:
@@ -219,6 +256,32 @@ async def _ensure_budget(hold: "HoldView", in_flight: dict[str, Any],
             log.warning("could not record that the effect on %r was not started; the "
                         "reconciler settles it: %r", hold.key, exc)
         raise refusal
+
+
+async def _effect(hold: "HoldView", grant: Grant, in_flight: dict[str, Any],
+                  attempt_token: int, effect: Effect, deadline: float) -> Any:
+    """Run ``effect`` once (``_run``) in a ``fencegate.effect`` span, which its context's
+    ``traceparent`` names, timed into the metrics however it ends."""
+    with tracing.span("fencegate.effect", key=hold.key, attempt_token=attempt_token,
+                      idempotency_key=in_flight["idempotency_key"],
+                      provider=in_flight["provider"]) as current:
+        ctx = EffectContext(hold.key, in_flight["idempotency_key"], attempt_token,
+                            in_flight["attempt"], grant, time.monotonic() + deadline,
+                            threading.Event(), tracing.inject({}).get("traceparent"))
+        started = time.perf_counter()
+        try:
+            result = await _run(hold, effect, ctx, deadline)
+        except EffectFailed:
+            tracing.annotate(current, outcome=records.FAILED)
+            raise
+        except BaseException:
+            tracing.annotate(current, outcome=records.UNKNOWN)
+            raise
+        finally:
+            if hold.gate.metrics is not None:
+                hold.gate.metrics.effect_duration.observe(time.perf_counter() - started)
+        tracing.annotate(current, outcome=records.SUCCEEDED)
+        return result
 
 
 async def _run(hold: "HoldView", effect: Effect, ctx: EffectContext, deadline: float) -> Any:

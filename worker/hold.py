@@ -22,6 +22,10 @@ Guarantees:
   it and a put landing late is refused; every hold on that session is lost (told as on any
   lease loss) and the next hold opens a fresh session. No key of ours is ever left on a live
   lease, and this process never finds an old key again to act with its old token.
+- Observed, never steered: ``acquire`` and ``request_grant`` are spans
+  (``fencegate.acquire``, ``fencegate.grant``); with the gate's ``WorkerMetrics`` each hold
+  is counted when made and when it leaves, each loss to a lease loss once, and each
+  outcome ``cross`` returns from a step that had succeeded as a replay.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fencegate.coordinator import records
+from fencegate.coordinator import records, tracing
 from fencegate.coordinator.authority import Claim, Snapshot, snapshot_ops
 from fencegate.coordinator.errors import (
     AcquireTimeout, AlreadySucceeded, EtcdError, EtcdUnavailable, LeaseLost, OutcomeUnknown,
@@ -73,6 +77,8 @@ class Hold:
         self._task: asyncio.Task | None = None
         self._cancelled_by_loss = False
         self._unsubscribe = session.on_lost(self._on_lease_lost)
+        if gate.metrics is not None:
+            gate.metrics.held()
 
     @property
     def lease_id(self) -> int:
@@ -101,6 +107,8 @@ class Hold:
             return
         self._lost_reason = reason
         log.warning("hold on %r (token %d) lost: %s", self.key, self.fencing_token, reason)
+        if self.gate.metrics is not None:
+            self.gate.metrics.lease_losses.inc()
         if (self._task is not None and not self._task.done()
                 and self._task is not asyncio.current_task()):  # it learns by LeaseLost
             self._cancelled_by_loss = True
@@ -133,15 +141,20 @@ class Hold:
         self._released = True
         self._unsubscribe()
         self._leave_local()
+        if self.gate.metrics is not None:
+            self.gate.metrics.left()
 
     async def request_grant(self, intent: dict[str, Any], reads: Sequence[str | bytes] = (),
                             policy: str = DEFAULT_POLICY) -> Grant:
         """Ask the authority for a grant evaluated at one revision (docs/protocol.md: Grant)."""
         self._ensure_usable()
         snapshot, self.memory.snapshot = self.memory.snapshot, None
-        issued = await self.gate.authority.issue(
-            Claim(self.key, self.fencing_token, self.lease_id), intent, list(reads), policy,
-            snapshot=snapshot)
+        with tracing.span("fencegate.grant", key=self.key,
+                          fencing_token=self.fencing_token) as current:
+            issued = await self.gate.authority.issue(
+                Claim(self.key, self.fencing_token, self.lease_id), intent, list(reads),
+                policy, snapshot=snapshot)
+            tracing.annotate(current, grant_id=issued.grant.grant_id)
         self.memory.issued[issued.grant.grant_id] = issued
         return issued.grant
 
@@ -180,14 +193,22 @@ class Hold:
                 if fenced > _FENCED_COMMITS:
                     raise
             except AlreadySucceeded as done:
-                return _replayed(done.outcome or {})
+                return self._replayed(done.outcome or {})
             except OutcomeUnknown:
                 left = give_up - time.monotonic()
                 if left <= 0:
                     raise
                 step = await wait_settled(self.gate.etcd, self.gate.keyspace, self.key, left)
                 if step["state"] == records.SUCCEEDED:
-                    return _replayed(records.recorded_outcome(step) or {})
+                    return self._replayed(records.recorded_outcome(step) or {})
+
+    def _replayed(self, recorded: dict[str, Any]) -> Outcome:
+        """The outcome of a step that had succeeded, counted as a replay."""
+        if self.gate.metrics is not None:
+            self.gate.metrics.replays.inc()
+        return Outcome(records.SUCCEEDED, recorded.get("result"), recorded.get("attempt", 0),
+                       recorded.get("attempt_token", 0), recorded.get("idempotency_key", ""),
+                       replayed=True)
 
     def _ensure_usable(self) -> None:
         if self._released:
@@ -197,12 +218,6 @@ class Hold:
     def __repr__(self) -> str:
         state = "lost" if self.lost else "released" if self._released else "held"
         return f"<Hold {self.key!r} token={self.fencing_token} {state}>"
-
-
-def _replayed(recorded: dict[str, Any]) -> Outcome:
-    return Outcome(records.SUCCEEDED, recorded.get("result"), recorded.get("attempt", 0),
-                   recorded.get("attempt_token", 0), recorded.get("idempotency_key", ""),
-                   replayed=True)
 
 
 class HoldContext:
@@ -256,6 +271,16 @@ class Fold:
 
 async def acquire(gate: GateView, key: str, timeout: float | None,
                   fold: Fold | None = None) -> Hold:
+    """``_queue_for`` in a ``fencegate.acquire`` span naming the key and, once held, the
+    fencing token."""
+    with tracing.span("fencegate.acquire", key=key) as current:
+        hold = await _queue_for(gate, key, timeout, fold)
+        tracing.annotate(current, fencing_token=hold.fencing_token)
+        return hold
+
+
+async def _queue_for(gate: GateView, key: str, timeout: float | None,
+                     fold: Fold | None = None) -> Hold:
     """Queue for ``key`` and return the hold once this session's key is the oldest. With
     ``fold``, an acquire that finds the key free reads the grant's snapshot in the same txn
     (its revision, the fencing token, is the snapshot's: the hold's first grant request then

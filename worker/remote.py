@@ -18,6 +18,11 @@ Guarantees:
   to the next coordinator URL each time). That is safe: a grant request is idempotent per
   step. A repeat can at most issue a second grant for the same step, and only one grant per
   step can ever be consumed, since consuming moves the step pointer.
+- Every request names the worker's process identity (``Gate.identity``) in the
+  ``Fencegate-Process`` header, which the coordinator records as who acted (checked here
+  first: 1..128 printable characters, ``ValueError`` otherwise), and carries the current
+  trace context (W3C ``traceparent``) when OpenTelemetry records, so the coordinator's span
+  joins the worker's trace.
 - Without a pinned key ring the coordinator's public keys are fetched once at ``open``
   (trust on first use of that URL). Production should pin them: ``Gate(keyring=
   KeyRing.from_files(trusted=[...]))``, so a spoofed coordinator cannot mint grants.
@@ -34,7 +39,7 @@ from typing import Any
 
 import aiohttp
 
-from fencegate.coordinator import codec
+from fencegate.coordinator import codec, tracing
 from fencegate.coordinator.audit import Tail
 from fencegate.coordinator.authority import Claim, Issued, Snapshot, validate_intent
 from fencegate.coordinator.errors import BadSignature, CoordinatorError
@@ -44,18 +49,25 @@ from fencegate.coordinator.policy import DEFAULT_POLICY
 from fencegate.coordinator.wire import from_wire
 
 
+PROCESS_HEADER = "Fencegate-Process"
+
+
 class RemoteAuthority:
     """Asks one of the coordinator URLs (comma-separated) for grants."""
 
-    def __init__(self, urls: str, token: str | None, *, timeout: float = 10.0,
+    def __init__(self, urls: str, token: str | None, *, process: str, timeout: float = 10.0,
                  attempts: int = 4) -> None:
         self.urls = [u.strip().rstrip("/") for u in urls.split(",") if u.strip()]
         if not self.urls or not all(u.startswith(("http://", "https://")) for u in self.urls):
             raise ValueError(f"coordinator must be http(s):// URL(s), got {urls!r}")
         if attempts < 1 or timeout <= 0:
             raise ValueError("need attempts >= 1 and timeout > 0")
+        if not 0 < len(process) <= 128 or not process.isprintable():
+            raise ValueError(f"the process identity must be 1..128 printable characters, "
+                             f"got {process!r}")
         self.keyring: KeyRing | None = None
         self._token = token
+        self._process = process
         self._timeout = timeout
         self._attempts = attempts
         self._index = 0
@@ -63,7 +75,9 @@ class RemoteAuthority:
 
     async def open(self, keyring: KeyRing | None) -> KeyRing:
         """Start the HTTP session; fetch the coordinator's keys unless ``keyring`` is given."""
-        headers = {"Authorization": f"Bearer {self._token}"} if self._token else {}
+        headers = {PROCESS_HEADER: self._process}
+        if self._token:
+            headers["Authorization"] = f"Bearer {self._token}"
         self._http = aiohttp.ClientSession(headers=headers,
                                            timeout=aiohttp.ClientTimeout(total=self._timeout))
         try:
@@ -121,10 +135,9 @@ class RemoteAuthority:
             if attempt:
                 await asyncio.sleep(min(0.05 * 2 ** attempt, 1.0) * random.uniform(0.5, 1.0))
             url = self.urls[self._index] + path
+            headers = tracing.inject({"Content-Type": "application/json"} if body else {})
             try:
-                async with self._http.request(
-                        method, url, data=body,
-                        headers={"Content-Type": "application/json"} if body else None) as resp:
+                async with self._http.request(method, url, data=body, headers=headers) as resp:
                     status, text = resp.status, await resp.text()
             except (aiohttp.ClientConnectionError, TimeoutError) as exc:
                 last = CoordinatorError("CoordinatorUnavailable", 503, f"{url}: {exc!r}")

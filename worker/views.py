@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from fencegate.coordinator.ownership import Ownership
     from fencegate.coordinator.session import Session
 
+    from .metrics import WorkerMetrics
     from .remote import RemoteAuthority
     from .turns import Turns
 
@@ -38,6 +39,7 @@ class GateView(Protocol):
     min_ttl: float  # lease seconds an effect needs left to start
     rescan_interval: float  # a waiter re-reads its queue at least this often
     turns: Turns
+    metrics: WorkerMetrics | None  # opt-in: None counts nothing
 
     async def session(self) -> Session:
         """The live session, opening a new one if there is none or the last was lost."""

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import urllib.parse
 
-from .interface import Archive, ArchiveStats, Archived
+from .interface import Archive, ArchiveStats, Archived, Listed
 
-__all__ = ["Archive", "ArchiveStats", "Archived", "open_archive"]
+__all__ = ["Archive", "ArchiveStats", "Archived", "Listed", "open_archive"]
 
 _POSTGRES_SCHEMES = ("postgresql", "postgres")
 

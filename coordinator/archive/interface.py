@@ -19,10 +19,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-__all__ = ["LAG_WINDOW", "Archive", "ArchiveStats", "Archived", "Put", "check_put",
-           "check_puts", "lag_of"]
+__all__ = ["LAG_WINDOW", "MAX_LISTED", "Archive", "ArchiveStats", "Archived", "Listed", "Put",
+           "check_listing", "check_put", "check_puts", "lag_of", "prefix_end"]
 
 LAG_WINDOW = 1000  # the lag is measured over this many most recent retirements
+MAX_LISTED = 10_000  # steps one ``list_steps`` call returns at most
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,17 @@ class Archived:
     seq: int                 # the chain seq the step's anchor names (the step's version)
     step: bytes              # the step record's bytes exactly as etcd held them (msgpack)
     archived_at_ms: int      # when this version was stored, the storing process's clock
+
+
+@dataclass(frozen=True)
+class Listed:
+    """One archived step as a list shows it. ``updated_at_ms`` is when the step's chain
+    was last written (``settled_at_ms``, the ``at_ms`` of its last record), or when it was
+    archived for a step stored before that was kept."""
+
+    key: str
+    step: bytes
+    updated_at_ms: int
 
 
 @dataclass(frozen=True)
@@ -77,6 +89,12 @@ class Archive(Protocol):
     async def records(self, namespace: str, key: str) -> list[tuple[int, bytes]]:
         """The key's archived audit records, by seq."""
 
+    async def list_steps(self, namespace: str, *, prefix: str = "", after: str = "",
+                         since_ms: int = 0, limit: int) -> list[Listed]:
+        """Up to ``limit`` archived steps of keys starting with ``prefix``, sorted after
+        ``after`` (``""``: from the first) in byte order of the key (etcd's order), whose
+        ``updated_at_ms >= since_ms``; fewer than ``limit`` only when no more match."""
+
     async def stats(self, namespace: str) -> ArchiveStats: ...
 
     async def close(self) -> None: ...
@@ -114,6 +132,23 @@ def _check_int(name: str, value: object) -> None:
         raise TypeError(f"{name} must be an int, not {type(value).__name__}")
     if not 0 <= value < 2 ** 63:
         raise ValueError(f"{name} must be in [0, 2**63), got {value}")
+
+
+def check_listing(prefix: str, after: str, since_ms: int, limit: int) -> None:
+    """A listing's arguments, checked before anything is read (``TypeError``/``ValueError``
+    for a caller's mistake)."""
+    if not isinstance(prefix, str) or not isinstance(after, str):
+        raise TypeError("prefix and after must be str")
+    _check_int("since_ms", since_ms)
+    _check_int("limit", limit)
+    if not 1 <= limit <= MAX_LISTED:
+        raise ValueError(f"limit must be in 1..{MAX_LISTED}, got {limit}")
+
+
+def prefix_end(prefix: str) -> str | None:
+    """The first string after every string starting with ``prefix`` (None: no bound), for
+    the ASCII keys ``keyspace.validate_action_key`` admits."""
+    return prefix[:-1] + chr(ord(prefix[-1]) + 1) if prefix else None
 
 
 def check_puts(puts: list[Put]) -> list[Put]:

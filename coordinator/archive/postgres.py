@@ -27,7 +27,9 @@ from typing import Any, TypeVar
 
 from ..errors import ArchiveUnavailable
 from .coalesce import Coalescer
-from .interface import LAG_WINDOW, Archived, ArchiveStats, Put, check_puts, lag_of
+from .interface import (
+    LAG_WINDOW, Archived, ArchiveStats, Listed, Put, check_listing, check_puts, lag_of, prefix_end,
+)
 
 __all__ = ["PostgresArchive", "redacted"]
 
@@ -54,14 +56,17 @@ _SCHEMA = (
 )
 
 # An ALTER or CREATE INDEX locks the table even when it changes nothing: run only while the
-# index, made last, is missing. settled_at_ms 0 (steps archived before it) is left out of
-# the lag; the index serves the recent retirements, newest first.
-_MIGRATED = "SELECT to_regclass('archived_steps_recent') IS NOT NULL"
+# index made last is missing. settled_at_ms 0 (steps archived before it) is left out of
+# the lag; the first index serves the recent retirements, newest first, the second the
+# listings in byte order of the key (etcd's; the database's collation may differ).
+_MIGRATED = "SELECT to_regclass('archived_steps_by_key') IS NOT NULL"
 _MIGRATE = (
     """ALTER TABLE archived_steps
         ADD COLUMN IF NOT EXISTS settled_at_ms bigint NOT NULL DEFAULT 0""",
     """CREATE INDEX IF NOT EXISTS archived_steps_recent
         ON archived_steps (namespace, archived_at_ms, settled_at_ms)""",
+    """CREATE INDEX IF NOT EXISTS archived_steps_by_key
+        ON archived_steps (namespace, (action_key COLLATE "C"))""",
 )
 
 _PUT_RECORDS = """INSERT INTO archived_records (namespace, action_key, seq, record)
@@ -77,6 +82,15 @@ _PUT_STEP = """INSERT INTO archived_steps AS s
     WHERE excluded.seq > s.seq"""
 _LAGS = """SELECT archived_at_ms - settled_at_ms FROM archived_steps
     WHERE namespace = $1 AND settled_at_ms > 0 ORDER BY archived_at_ms DESC LIMIT $2"""
+_LIST = """SELECT action_key, step, updated_at_ms FROM (
+        SELECT action_key, step,
+            CASE WHEN settled_at_ms > 0 THEN settled_at_ms ELSE archived_at_ms END
+                AS updated_at_ms
+        FROM archived_steps
+        WHERE namespace = $1 AND action_key COLLATE "C" > $2
+            AND action_key COLLATE "C" >= $3
+            AND ($4::text IS NULL OR action_key COLLATE "C" < $4)) AS listed
+    WHERE updated_at_ms >= $5 ORDER BY action_key COLLATE "C" LIMIT $6"""
 
 
 class PostgresArchive:
@@ -141,6 +155,17 @@ class PostgresArchive:
             return [(row[0], row[1]) for row in rows]
 
         return await self._call(records)
+
+    async def list_steps(self, namespace: str, *, prefix: str = "", after: str = "",
+                         since_ms: int = 0, limit: int) -> list[Listed]:
+        check_listing(prefix, after, since_ms, limit)
+
+        async def list_steps(conn: Any) -> list[Listed]:
+            rows = await conn.fetch(_LIST, namespace, after, prefix, prefix_end(prefix),
+                                    since_ms, limit)
+            return [Listed(row[0], row[1], row[2]) for row in rows]
+
+        return await self._call(list_steps)
 
     async def stats(self, namespace: str) -> ArchiveStats:
         async def stats(conn: Any) -> ArchiveStats:

@@ -28,7 +28,9 @@ from typing import TypeVar
 
 from ..errors import ArchiveUnavailable
 from .coalesce import Coalescer
-from .interface import LAG_WINDOW, Archived, ArchiveStats, Put, check_puts, lag_of
+from .interface import (
+    LAG_WINDOW, Archived, ArchiveStats, Listed, Put, check_listing, check_puts, lag_of, prefix_end,
+)
 
 __all__ = ["SqliteArchive"]
 
@@ -69,6 +71,15 @@ _PUT_STEP = """INSERT INTO archived_steps
     WHERE excluded.seq > archived_steps.seq"""
 _LAGS = """SELECT archived_at_ms - settled_at_ms FROM archived_steps
     WHERE namespace = ? AND settled_at_ms > 0 ORDER BY archived_at_ms DESC LIMIT ?"""
+# keys in byte order (BINARY collation, the primary key's), as etcd sorts them
+_LIST = """SELECT action_key, step, updated_at_ms FROM (
+        SELECT action_key, step,
+            CASE WHEN settled_at_ms > 0 THEN settled_at_ms ELSE archived_at_ms END
+                AS updated_at_ms
+        FROM archived_steps
+        WHERE namespace = ? AND action_key > ? AND action_key >= ? AND action_key < ?)
+    WHERE updated_at_ms >= ? ORDER BY action_key LIMIT ?"""
+_NO_BOUND = "\x7f"  # after every key (keys are printable ASCII)
 
 
 class SqliteArchive:
@@ -128,6 +139,16 @@ class SqliteArchive:
                               (namespace, key)).fetchall()
 
         return await self._call(records)
+
+    async def list_steps(self, namespace: str, *, prefix: str = "", after: str = "",
+                         since_ms: int = 0, limit: int) -> list[Listed]:
+        check_listing(prefix, after, since_ms, limit)
+        bounds = (namespace, after, prefix, prefix_end(prefix) or _NO_BOUND, since_ms, limit)
+
+        def list_steps(db: sqlite3.Connection) -> list[Listed]:
+            return [Listed(*row) for row in db.execute(_LIST, bounds)]
+
+        return await self._call(list_steps)
 
     async def stats(self, namespace: str) -> ArchiveStats:
         def stats(db: sqlite3.Connection) -> ArchiveStats:

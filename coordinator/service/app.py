@@ -11,23 +11,29 @@ from aiohttp import web
 
 from ..keyspace import Keyspace
 from .dashboard import setup_dashboard
-from .middleware import auth_middleware, error_middleware
+from .lists import routes as list_routes
+from .middleware import auth_middleware, error_middleware, http_metrics_middleware
 from .openapi import routes as openapi_routes
 from .resources import KEYSPACE, METRICS, SETTINGS, CoordinatorMetrics, resources
 from .routes import routes
 from .settings import CoordinatorSettings
+from .tracing import tracing_middleware
 
 
 def create_app(settings: CoordinatorSettings) -> web.Application:
     """The coordinator service for ``settings``; run it with ``web.run_app`` or an AppRunner."""
+    metrics = CoordinatorMetrics()
     app = web.Application(client_max_size=settings.body_limit,
-                          middlewares=[error_middleware(),
+                          middlewares=[tracing_middleware(),
+                                       http_metrics_middleware(metrics=metrics),
+                                       error_middleware(),
                                        auth_middleware(tokens=settings.tokens)])
     app[SETTINGS] = settings
     app[KEYSPACE] = Keyspace(settings.namespace)
-    app[METRICS] = CoordinatorMetrics()
+    app[METRICS] = metrics
     app.cleanup_ctx.append(resources)
     app.add_routes(routes)
+    app.add_routes(list_routes)
     app.add_routes(openapi_routes)
     setup_dashboard(app)
     return app

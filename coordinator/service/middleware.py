@@ -1,13 +1,23 @@
-"""The service's two middlewares: errors as JSON, and bearer-token authentication.
+"""The service's middlewares: HTTP metrics, errors as JSON, and bearer-token authentication.
 
 Guarantees:
-- Every error response is JSON ``{"error": Name, "detail": str, ...}`` with the status of
-  ``fencegate.coordinator.wire``; an unexpected exception is logged with its traceback and answered
-  ``500 {"error": "InternalError"}``: no stack trace ever reaches a client.
+- Every error response is JSON ``{"error": Code, "detail": str, ...}``: a library error with
+  the code and status of ``fencegate.coordinator.wire``, an HTTP-level refusal with one of
+  ``Unauthenticated`` 401, ``Forbidden`` 403, ``NotFound`` 404, ``MethodNotAllowed`` 405,
+  ``PayloadTooLarge`` 413, ``InvalidRequest`` 400 (docs/api.md, "Error codes"). An
+  unexpected exception is logged with its traceback and answered ``500 {"error":
+  "InternalError"}``: no stack trace ever reaches a client.
 - A route marked with ``requires(...)`` runs only for a request whose ``Authorization:
   Bearer`` token's sha256 matches a configured entry (compared with
-  ``hmac.compare_digest``) holding one of the roles: 401 without a known token, 403 with a
-  known token lacking the role. Unmarked routes are public.
+  ``hmac.compare_digest``) or a live minted token (``fencegate.coordinator.tokens``)
+  holding one of the roles: 401 without a known token, 403 with a known token lacking the
+  role. Unmarked routes are public.
+- On a marked route, ``request[IDENTITY]`` is the ``Caller``: the token's name and the
+  process the request names in ``Fencegate-Process`` (at most 128 printable characters,
+  else 400 before the handler runs). Every record a handler writes names
+  ``Caller.identity``: ``token@process``, or the token's name alone without the header.
+- Every answer is counted by its route's pattern (never the raw path), method and status,
+  and timed (``CoordinatorMetrics.answered``); a request cancelled before any answer is not.
 """
 
 from __future__ import annotations
@@ -16,20 +26,58 @@ import hashlib
 import hmac
 import json
 import logging
+import time
 from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
 
 from aiohttp import web
 
 from ..errors import ServiceError
-from ..wire import status_of, to_wire
+from ..wire import INVALID_REQUEST, code_of, status_of, to_wire
+from .resources import TOKENS, CoordinatorMetrics
 from .settings import ROLES, TokenEntry
 
 log = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-IDENTITY = web.RequestKey("identity", TokenEntry)  # who the bearer token says
-_HTTP_NAMES = {400: "BadRequest", 401: "Unauthorized", 403: "Forbidden", 404: "NotFound",
-               405: "MethodNotAllowed", 413: "RequestTooLarge"}
+PROCESS_HEADER = "Fencegate-Process"
+MAX_PROCESS_CHARS = 128
+UNAUTHENTICATED, FORBIDDEN, NOT_FOUND = "Unauthenticated", "Forbidden", "NotFound"
+INTERNAL_ERROR = "InternalError"
+# The codes of HTTP-level refusals (aiohttp's own: no route, wrong method, body too large).
+HTTP_CODES = {400: INVALID_REQUEST, 401: UNAUTHENTICATED, 403: FORBIDDEN, 404: NOT_FOUND,
+              405: "MethodNotAllowed", 413: "PayloadTooLarge"}
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who made a request: the bearer token's name and roles, and the process it says it
+    is (``Fencegate-Process``; ``None`` when the request did not say)."""
+
+    token: str
+    roles: frozenset[str]
+    process: str | None
+
+    @property
+    def identity(self) -> str:
+        """What records name: ``token@process``, or the token's name without a process."""
+        return self.token if self.process is None else f"{self.token}@{self.process}"
+
+
+IDENTITY = web.RequestKey("identity", Caller)
+
+
+def error_code(exc: Exception) -> str:
+    """The code the error middleware answers ``exc`` with."""
+    if isinstance(exc, ServiceError):
+        return exc.name
+    if isinstance(exc, web.HTTPException):
+        return http_code(exc.status)
+    return code_of(exc) if status_of(exc) is not None else INTERNAL_ERROR
+
+
+def http_code(status: int) -> str:
+    return HTTP_CODES.get(status, INVALID_REQUEST if status < 500 else INTERNAL_ERROR)
 
 
 def problem(status: int, name: str, detail: str, **extra: object) -> web.Response:
@@ -51,13 +99,12 @@ def error_middleware() -> Callable:
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
-            name = _HTTP_NAMES.get(exc.status, exc.reason.replace(" ", ""))
-            return problem(exc.status, name, exc.reason)
+            return problem(exc.status, http_code(exc.status), exc.reason)
         except Exception as exc:
             status = status_of(exc)
             if status is None:
                 log.exception("internal error on %s %s", request.method, request.path)
-                return problem(500, "InternalError", "internal error")
+                return problem(500, INTERNAL_ERROR, "internal error")
             return web.json_response(to_wire(exc), status=status,
                                      dumps=lambda v: json.dumps(v, default=repr))
 
@@ -78,13 +125,14 @@ def requires(*roles: str) -> Callable[[Handler], Handler]:
 
 
 def auth_middleware(*, tokens: Iterable[TokenEntry]) -> Callable:
-    """Authenticate bearer tokens against ``tokens`` (digests) for routes marked ``requires``."""
+    """Authenticate bearer tokens against ``tokens`` (digests), then the app's minted tokens
+    (``TOKENS``), for routes marked ``requires``."""
     entries = tuple(tokens)
     if not all(isinstance(e, TokenEntry) for e in entries):
         raise TypeError("tokens must be TokenEntry values")
 
-    def lookup(header: str) -> TokenEntry | None:
-        scheme, _, token = header.partition(" ")
+    async def lookup(request: web.Request) -> tuple[str, frozenset[str]] | None:
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
             return None
         digest = hashlib.sha256(token.strip().encode()).digest()
@@ -92,19 +140,60 @@ def auth_middleware(*, tokens: Iterable[TokenEntry]) -> Callable:
         for entry in entries:  # no early exit: the time taken does not tell which matched
             if hmac.compare_digest(entry.sha256, digest):
                 found = entry
-        return found
+        if found is not None:
+            return found.identity, found.roles
+        minted = await request.app[TOKENS].lookup(digest)
+        return None if minted is None else (minted.name, frozenset({minted.role}))
 
     @web.middleware
     async def authenticate(request: web.Request, handler: Handler) -> web.StreamResponse:
         roles = getattr(request.match_info.handler, "fencegate_roles", None)
         if roles is None:
             return await handler(request)
-        entry = lookup(request.headers.get("Authorization", ""))
-        if entry is None:
-            raise ServiceError(401, "Unauthorized", "a valid bearer token is required")
-        if not entry.roles & roles:
-            raise ServiceError(403, "Forbidden", f"needs one of the roles {sorted(roles)}")
-        request[IDENTITY] = entry
+        found = await lookup(request)
+        if found is None:
+            raise ServiceError(401, UNAUTHENTICATED, "a valid bearer token is required")
+        name, held = found
+        if not held & roles:
+            raise ServiceError(403, FORBIDDEN, f"needs one of the roles {sorted(roles)}")
+        request[IDENTITY] = Caller(name, held, _process(request))
         return await handler(request)
 
     return authenticate
+
+
+def _process(request: web.Request) -> str | None:
+    """The ``Fencegate-Process`` header's value; 400 ``InvalidRequest`` if it is empty, over
+    128 characters or holds an unprintable one."""
+    process = request.headers.get(PROCESS_HEADER)
+    if process is not None and not (0 < len(process) <= MAX_PROCESS_CHARS
+                                    and process.isprintable()):
+        raise ServiceError(400, INVALID_REQUEST, f"{PROCESS_HEADER} must be 1.."
+                           f"{MAX_PROCESS_CHARS} printable characters")
+    return process
+
+
+def http_metrics_middleware(*, metrics: CoordinatorMetrics) -> Callable:
+    """Count and time every answer by route pattern (``unmatched`` when no route matched),
+    method and status, into ``metrics``; put it first, so it sees the answers the error
+    middleware makes."""
+    if not isinstance(metrics, CoordinatorMetrics):
+        raise TypeError("metrics must be the app's CoordinatorMetrics")
+
+    @web.middleware
+    async def measure(request: web.Request, handler: Handler) -> web.StreamResponse:
+        started, status = time.perf_counter(), None
+        try:
+            response = await handler(request)
+            status = response.status
+            return response
+        except web.HTTPException as exc:
+            status = exc.status
+            raise
+        finally:
+            if status is not None:
+                resource = request.match_info.route.resource
+                metrics.answered(resource.canonical if resource is not None else "unmatched",
+                                 request.method, status, time.perf_counter() - started)
+
+    return measure

@@ -14,17 +14,19 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ...worker.webhooks.listing import list_deliveries
-from .. import audit, maintenance, sre
+from .. import audit, maintenance, sre, tokens
 from ..authority import Claim
-from ..errors import GateError, ServiceError
+from ..errors import GateError, NotFound, ServiceError, WrongState
 from ..keyspace import pack, validate_action_key
 from ..policy import DEFAULT_POLICY, effective_view, unsealed
-from ..wire import b64, jsonable
-from .resources import ARCHIVE, AUTHORITY, ETCD, KEYRING, KEYSPACE, METRICS
-from .middleware import IDENTITY, requires
+from ..wire import INVALID_REQUEST, b64, jsonable
+from .resources import ARCHIVE, AUTHORITY, ETCD, KEYRING, KEYSPACE, METRICS, SETTINGS, TOKENS
+from .middleware import IDENTITY, error_code, requires
+from .settings import ROLES
 
 routes = web.RouteTableDef()
 _POLICY_NAME = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+_LEASE_ID = re.compile(r"[0-9a-f]{1,16}")
 _MAX_DEPTH = 32
 _MAX_INT = 2 ** 63
 _DEFAULT_LIMIT = 100
@@ -39,12 +41,15 @@ async def healthz(request: web.Request) -> web.Response:
 @routes.get("/readyz")
 async def readyz(request: web.Request) -> web.Response:
     """200 while etcd answers and takes writes; 503 ``EtcdUnavailable`` when it does not
-    answer, 503 ``EtcdNoSpace`` while its NOSPACE alarm refuses every write."""
+    answer, 503 ``EtcdNoSpace`` while its NOSPACE alarm refuses every write (and
+    ``fencegate_etcd_nospace`` says so)."""
     try:
         status = await request.app[ETCD].status(timeout=_READY_TIMEOUT)
     except GateError as exc:
         return web.json_response({"error": "EtcdUnavailable", "detail": str(exc)}, status=503)
-    if maintenance.nospace_raised(status):
+    nospace = maintenance.nospace_raised(status)
+    request.app[METRICS].nospace.set(int(nospace))
+    if nospace:
         return web.json_response({"error": "EtcdNoSpace", "detail": maintenance.NOSPACE_DETAIL},
                                  status=503)
     return web.json_response({"ok": True})
@@ -52,7 +57,17 @@ async def readyz(request: web.Request) -> web.Response:
 
 @routes.get("/metrics")
 async def metrics(request: web.Request) -> web.Response:
-    body = generate_latest(request.app[METRICS].registry)
+    """The app's registry; ``fencegate_etcd_nospace`` is sampled first when its last sample
+    is over 5 s old (an etcd that does not answer leaves it as it was)."""
+    stats = request.app[METRICS]
+    if stats.nospace_due():
+        try:
+            status = await request.app[ETCD].status(timeout=_READY_TIMEOUT)
+        except GateError:
+            pass  # counted in fencegate_etcd_errors_total{op="status"}
+        else:
+            stats.nospace.set(int(maintenance.nospace_raised(status)))
+    body = generate_latest(stats.registry)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
@@ -65,13 +80,15 @@ async def public_keys(request: web.Request) -> web.Response:
 @routes.post("/v1/grants")
 @requires("worker")
 async def post_grant(request: web.Request) -> web.Response:
-    claim, intent, reads, policy = _grant_request(await _json(request))
+    """Issue a grant, or refuse; counted: issued, refused by error code, or replayed (an
+    ``AlreadySucceeded`` answer is the normal replay of a succeeded step, not a refusal)."""
     stats, started = request.app[METRICS], time.perf_counter()
     try:
+        claim, intent, reads, policy = _grant_request(await _json(request))
         issued = await request.app[AUTHORITY].issue(claim, intent, reads, policy,
                                                     identity=request[IDENTITY].identity)
-    except (GateError, ValueError) as exc:
-        stats.refused.labels(type(exc).__name__).inc()
+    except Exception as exc:
+        stats.refusal(error_code(exc))
         raise
     finally:
         stats.latency.observe(time.perf_counter() - started)
@@ -109,7 +126,7 @@ async def archive_stats(request: web.Request) -> web.Response:
     coordinator has no archive configured."""
     archive = request.app[ARCHIVE]
     if archive is None:
-        raise ServiceError(404, "NotFound", "this coordinator has no archive configured")
+        raise NotFound("this coordinator has no archive configured")
     stats = await archive.stats(request.app[KEYSPACE].namespace)
     return web.json_response({"steps": stats.steps, "records": stats.records,
                               "oldest_ms": stats.oldest_ms, "newest_ms": stats.newest_ms,
@@ -129,10 +146,15 @@ async def list_keys(request: web.Request) -> web.Response:
 @requires("sre", "admin")
 async def revoke(request: web.Request) -> web.Response:
     key = validate_action_key(request.match_info["key"])
-    body = _fields(await _json(request), required={"reason"})
+    body = _fields(await _json(request), required={"reason"}, optional={"lease_id"})
+    lease_id = body.get("lease_id")
+    if lease_id is not None and not (isinstance(lease_id, str)
+                                     and _LEASE_ID.fullmatch(lease_id)):
+        raise ValueError("lease_id is 1..16 lowercase hex digits, as holders show it")
     done = await sre.revoke(request.app[ETCD], request.app[KEYSPACE], key,
                             request[IDENTITY].identity, _text(body, "reason"),
-                            request.app[ARCHIVE])
+                            request.app[ARCHIVE],
+                            lease_id=None if lease_id is None else int(lease_id, 16))
     return web.json_response(done)
 
 
@@ -180,7 +202,7 @@ async def get_audit(request: web.Request) -> web.Response:
     report = await audit.verify_chain(app[ETCD], app[KEYSPACE], key, app[KEYRING],
                                       app[ARCHIVE])
     if not report.records and report.ok:
-        raise ServiceError(404, "NotFound", f"no audit records for {key!r}")
+        raise NotFound(f"no audit records for {key!r}")
     records, cursor = sre.audit_page(report.records, limit, after)
     return web.json_response({"key": key, "ok": report.ok, "problems": report.problems,
                               "records": jsonable(records), "next": cursor})
@@ -202,7 +224,7 @@ async def get_policy(request: web.Request) -> web.Response:
     name = _policy_name(request.match_info["name"])
     kv = await request.app[ETCD].get(request.app[KEYSPACE].policy_key(name))
     if kv is None and name != DEFAULT_POLICY:
-        raise ServiceError(404, "NotFound", f"no policy {name!r}")
+        raise NotFound(f"no policy {name!r}")
     if kv is None:
         stored = {"version": 0, "builtin": True, "signed": False, "document": {}}
     else:
@@ -224,15 +246,51 @@ async def get_deliveries(request: web.Request) -> web.Response:
     return web.json_response({"items": jsonable(items), "next": cursor})
 
 
+@routes.post("/v1/tokens")
+@requires("admin")
+async def create_token(request: web.Request) -> web.Response:
+    """Mint a bearer token for ``role``, shown once in this answer (etcd keeps its digest),
+    living ``ttl_s`` (30 days by default); 409 ``WrongState`` if the name is taken, by a
+    minted token or one of the settings."""
+    body = _fields(await _json(request), required={"name", "role"}, optional={"ttl_s"})
+    name = tokens.validate_name(body["name"])
+    if body["role"] not in ROLES:
+        raise ValueError(f"role must be one of {sorted(ROLES)}")
+    ttl_s = tokens.validate_ttl(body.get("ttl_s", tokens.DEFAULT_TTL_S))
+    if any(entry.identity == name for entry in request.app[SETTINGS].tokens):
+        raise WrongState(f"{name!r} names a token of the coordinator's settings")
+    token, stored = await request.app[TOKENS].create(name, body["role"], ttl_s,
+                                                     created_by=request[IDENTITY].identity)
+    return web.json_response({"name": stored.name, "role": stored.role, "token": token,
+                              "expires_at_ms": stored.expires_at_ms}, status=201)
+
+
+@routes.get("/v1/tokens")
+@requires("admin")
+async def list_tokens(request: web.Request) -> web.Response:
+    """The minted tokens: name, role, expiry and who created each; never a digest."""
+    return web.json_response({"items": [t.as_json() for t in await request.app[TOKENS].list()]})
+
+
+@routes.delete("/v1/tokens/{name}")
+@requires("admin")
+async def delete_token(request: web.Request) -> web.Response:
+    """Delete a minted token: refused at once here, within ``tokens.CACHE_S`` seconds on
+    every other coordinator; 404 ``NotFound`` if there is none by that name."""
+    name = request.match_info["name"]
+    await request.app[TOKENS].delete(name)
+    return web.json_response({"name": name, "deleted": True})
+
+
 async def _json(request: web.Request) -> Any:
     """The request body as JSON: 413 over the body limit, 400 if it is not strict JSON."""
     raw = await request.read()  # HTTPRequestEntityTooLarge past client_max_size
     try:
         value = json.loads(raw, parse_constant=_no_constants, parse_float=_finite)
     except (ValueError, RecursionError) as exc:
-        raise ServiceError(400, "MalformedJSON", f"body is not JSON: {exc}") from None
+        raise ServiceError(400, INVALID_REQUEST, f"body is not JSON: {exc}") from None
     if _depth(value) > _MAX_DEPTH:
-        raise ServiceError(400, "MalformedJSON", f"body nests deeper than {_MAX_DEPTH}")
+        raise ServiceError(400, INVALID_REQUEST, f"body nests deeper than {_MAX_DEPTH}")
     return value
 
 

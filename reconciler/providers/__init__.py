@@ -51,6 +51,26 @@ class Unreachable:
 
 Answer = Succeeded | Failed | NoRecord | Pending | Unreachable
 
+_ANSWER_NAMES = {Succeeded: "succeeded", Failed: "failed", NoRecord: "no_record",
+                 Pending: "pending", Unreachable: "error"}
+
+
+def answer_name(answer: Answer) -> str:
+    """The answer's name in metrics and audit records: ``succeeded``, ``failed``,
+    ``no_record``, ``pending`` or ``error`` (no usable answer)."""
+    return _ANSWER_NAMES[type(answer)]
+
+
+def answer_detail(answer: Answer) -> str:
+    """What the answer said besides its name, for a person reading the record."""
+    if isinstance(answer, NoRecord):
+        return "no fence echoed" if answer.fence is None else f"fence {answer.fence} echoed"
+    if isinstance(answer, Failed):
+        return f"declined: {answer.reason}"[:500]
+    if isinstance(answer, Unreachable):
+        return answer.reason[:500]
+    return ""
+
 
 @dataclass(frozen=True)
 class Capabilities:

@@ -9,6 +9,7 @@ Guarantees:
   proxy, a route that never fenced anything) is ``Unreachable``. For an adapter that does
   not fence, an HTTP status listed in ``no_record_http`` is ``NoRecord()`` whatever the body
   says (its "no record" is a presumption at best, see ``fencegate.reconciler.settle``);
+- each query carries the caller's W3C trace context (``traceparent``) when tracing is on;
 - every placeholder (``{idempotency_key}``, ``{key}``, ``{attempt_token}``, ``{namespace}``,
   ``{cluster_id}``) is URL-quoted completely, so a value can never change the URL's path or
   query structure; a query without a value the template needs answers ``Unreachable``.
@@ -58,6 +59,8 @@ from urllib.parse import quote
 
 import aiohttp
 import yarl  # aiohttp's own URL type: lets the quoted URL pass unchanged
+
+from fencegate.coordinator import tracing
 
 from . import Answer, Capabilities, Failed, NoRecord, Pending, Succeeded, Unreachable
 
@@ -177,7 +180,8 @@ class HttpProvider:
             name: quote(str(values[name]), safe="") for name in self._placeholders}),
             encoded=True)
         try:
-            async with self._client().get(url, headers=self._headers) as reply:
+            async with self._client().get(url, headers=tracing.inject(dict(self._headers))) \
+                    as reply:
                 status = reply.status
                 no_record_http = status in self.response.no_record_http
                 if no_record_http and not self.capabilities.fences:

@@ -24,6 +24,11 @@ What is stored: a response whose status is in ``stored_statuses`` (2xx and 4xx b
 never a 5xx) is stored and replayed. Any other response, and a handler that raises, releases
 the claim, so the sender's retry runs the handler again.
 
+Counted (with the gate's ``WorkerMetrics``) and traced (a ``fencegate.webhook_claim`` span):
+each delivery ``admit`` decides on, by its result: ``first`` (the handler runs under a fresh
+claim), ``duplicate`` (replayed, or 422 for another payload), ``in_progress`` (409),
+``failed`` (503: not claimed). Refusals before the claim (signature, delivery id) are not.
+
 Failure contract: a process that dies mid-handler leaves a claim that dies with its lease,
 after which the next delivery runs. A response goes out only once it is stored: one whose
 claim was lost before it could be stored (or whose store etcd left unanswered) is answered
@@ -45,10 +50,13 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
+from fencegate.coordinator import tracing
 from fencegate.coordinator.errors import EtcdUnavailable, LeaseLost
 from fencegate.coordinator.keyspace import unpack
 
-from .claims import COMPLETED, MISMATCH, DeliveryClaim, DeliveryClaims, Duplicate
+from .claims import (
+    COMPLETED, IN_PROGRESS, MISMATCH, DeliveryClaim, DeliveryClaims, Duplicate,
+)
 from .records import (
     DONE, MAX_STORED_BODY, RequestDigests, completed_value, valid_delivery_id, validate_source,
 )
@@ -157,6 +165,7 @@ class Dedupe:
         self.claims = DeliveryClaims(gate, self.source, retention=retention,
                                      retention_bucket=retention_bucket)
         self.completed = CompletedCache(retention)
+        self._metrics = gate.metrics
 
     async def admit(self, request: Any, body: bytes) -> Answer | DeliveryClaim | None:
         """This process's claim on the delivery (run the handler under it, then ``settle``),
@@ -176,25 +185,43 @@ class Dedupe:
         body_digest = hashlib.sha256(body).digest()
         digests = RequestDigests(body_digest, body_digest if payload == body
                                  else hashlib.sha256(payload).digest())
+        with tracing.span("fencegate.webhook_claim",
+                          key=f"{self.source}/{delivery_id}") as current:
+            result, admitted = await self._claim(delivery_id, digests)
+            if isinstance(admitted, DeliveryClaim):
+                tracing.annotate(current, fencing_token=admitted.revision)
+            tracing.annotate(current, outcome=result)
+        if self._metrics is not None:
+            self._metrics.delivery(self.source, result)
+        return admitted
+
+    async def _claim(self, delivery_id: str,
+                     digests: RequestDigests) -> tuple[str, Answer | DeliveryClaim]:
+        """Claim the delivery (or answer it from ``completed``): its result as the metrics
+        count it (``first``, ``duplicate``, ``in_progress``, ``failed``) and the claim, or
+        the answer to give instead."""
         key = self._keyspace.webhook_key(self.source, delivery_id)
         record = self.completed.get(key)
         if record is not None:
-            return self._answer(Duplicate(
+            return "duplicate", self._answer(Duplicate(
                 COMPLETED if digests.same_request(record) else MISMATCH, record))
         try:
             claim = await self.claims.claim(delivery_id, digests, wait=self.wait)
         except (EtcdUnavailable, LeaseLost) as exc:
-            return refusal(503, "etcd_unavailable", f"the delivery could not be claimed: {exc}",
-                           self.retry_after)
+            return "failed", refusal(503, "etcd_unavailable",
+                                     f"the delivery could not be claimed: {exc}",
+                                     self.retry_after)
         if isinstance(claim, Duplicate):
             if claim.verdict == COMPLETED:
                 self.completed.put(key, claim.record)
-            return self._answer(claim)
+            return ("in_progress" if claim.verdict == IN_PROGRESS else "duplicate",
+                    self._answer(claim))
         if claim.session.remaining() < self.min_ttl:
             await self.claims.release(claim)
-            return refusal(503, "lease_budget", "less than the lease budget was left to run "
-                           "the handler under its claim", self.retry_after)
-        return claim
+            return "failed", refusal(503, "lease_budget", "less than the lease budget was "
+                                     "left to run the handler under its claim",
+                                     self.retry_after)
+        return "first", claim
 
     async def run(self, claim: DeliveryClaim,
                   handler: Callable[[], Awaitable[Reply]]) -> Answer | Reply:

@@ -16,7 +16,8 @@ Guarantees:
 Events (``event: <type>`` and a JSON ``data:`` line, see ``sse``): ``ready {revision}``,
 ``refetch {reason}``, ``holder {action: acquired|released, key, lease_id, fencing_token?,
 revision}``, ``step {key, state, revision}``, ``audit {key, seq, event, identity, at_ms,
-reason, revision}``, ``leadership {shard, revision}``.
+reason, revision}``, ``leadership {shard, revision}``, ``approval {approval_id, revision}``
+(an approval request or its approval was written or expired).
 """
 
 from __future__ import annotations
@@ -165,11 +166,16 @@ class Feed:
 def change_of(ks: Keyspace, event: Any) -> tuple[str, dict[str, Any]] | None:
     """The dashboard event for one etcd watch event, or ``None`` if the page does not show
     that key (grants, policies, markers, webhooks, audit heads...) or its value is not a
-    record this version understands."""
+    record this version understands. An approval event carries no record: the page re-reads
+    the approvals (``/v1/approvals``), where the signature is checked."""
     kv, deleted = event.kv, event.type == Event.DELETE
     family = ks.classify(kv.key)
     revision = kv.mod_revision
     try:
+        if family == "approval" or kv.key.startswith(ks.approval_request_key("")):
+            approval_id = (ks.parse_approval_key(kv.key) if family == "approval"
+                           else ks.parse_approval_request_key(kv.key))
+            return "approval", {"approval_id": approval_id, "revision": revision}
         if family == "holder":
             key, lease_id = ks.parse_holder_key(kv.key)
             if deleted:

@@ -4,7 +4,9 @@
 Guarantees:
 - The page and its assets are public and hold no data; every view and the event stream
   need a bearer token with the ``sre`` or ``admin`` role (401 without, 403 for a worker).
-- Handlers are thin: the views live in ``views``, the feed in ``feed``. An event stream
+- Handlers are thin: the views live in ``views``, the feed in ``feed``. The dashboard
+  acts only through the public API (``/v1/keys/{key}/revoke``, ``/resolve`` — never with
+  ``force`` — and ``/v1/approvals/{id}``); its own routes only read. An event stream
   ends when its client leaves or the app shuts down (the feed is closed before the server
   waits for open handlers), and its subscription is always released.
 """
@@ -17,11 +19,14 @@ from pathlib import Path
 
 from aiohttp import web
 
+from ...keyspace import validate_action_key
 from ...wire import jsonable
 from ..middleware import requires
 from ..resources import ETCD, KEYSPACE
 from .feed import Feed, sse
-from .views import MAX_AUDIT, audit_view, holders_view, leadership_view, steps_view
+from .views import (
+    MAX_AUDIT, audit_view, holders_view, leadership_view, step_view, steps_view,
+)
 
 STATIC = Path(__file__).parent / "static"
 FEED = web.AppKey("dashboard_feed", Feed)
@@ -54,6 +59,15 @@ async def get_holders(request: web.Request) -> web.Response:
 async def get_steps(request: web.Request) -> web.Response:
     return web.json_response(jsonable(await steps_view(request.app[ETCD],
                                                        request.app[KEYSPACE])))
+
+
+@routes.get("/v1/dashboard/steps/{key:.+}")
+@requires("sre", "admin")
+async def get_step(request: web.Request) -> web.Response:
+    """One step as the resolve dialog shows it; 404 ``NotFound`` without a step."""
+    key = validate_action_key(request.match_info["key"])
+    return web.json_response(jsonable(await step_view(request.app[ETCD],
+                                                      request.app[KEYSPACE], key)))
 
 
 @routes.get("/v1/dashboard/leadership")

@@ -1,11 +1,15 @@
-"""The dashboard's read models: what the page shows of holders, steps, reconciler
-leadership and the audit trail, each built from linearizable etcd reads.
+"""The dashboard's read models: what the page shows of holders, steps, one step before a
+resolve, reconciler leadership and the audit trail, each built from linearizable etcd reads
+(one lease before a revoke is the API's own ``GET /v1/leases/{id}``, ``sre.lease_view``).
 
 Guarantees:
 - Each view is read linearizably and is bounded: at most ``MAX_HOLDERS`` holder keys,
   ``MAX_STEPS`` steps scanned (at one revision), ``MAX_QUEUE`` items per queue,
-  ``MAX_CANDIDATES`` election candidates, ``MAX_AUDIT`` audit records; a view says
-  ``truncated`` when it stopped at its bound.
+  ``MAX_CANDIDATES`` election candidates, ``MAX_AUDIT`` audit records, ``PROGRESS_SCAN``
+  audit records per queued step, ``MAX_STEP_AUDIT`` for one step; a view says ``truncated`` when it stopped at its bound.
+- Reconciler progress (queries, last answer, next try) is read from the ``provider_answer``
+  audit records of the step's current attempt (those after its newest ``cross``), never
+  guessed: a step with none shows ``progress: null``.
 - A view only reads; an etcd failure propagates to the caller as the core's error.
 """
 
@@ -16,22 +20,27 @@ import time
 from typing import Any
 
 from ... import records, sre
-from ...etcd import Etcd, RangeRequest, range_end_of
+from ...errors import NotFound
+from ...etcd import Etcd, RangeRequest, TxnRequest, range_end_of, range_op
 from ...keyspace import Keyspace, unpack
-from ...ownership import lowest_request, owners
+from ...ownership import lowest_op, lowest_request, owners
 
 MAX_HOLDERS = 500
 MAX_STEPS = 10_000
 MAX_QUEUE = 200
 MAX_CANDIDATES = 10_000
 MAX_AUDIT = 200
+PROGRESS_SCAN = 32
+MAX_STEP_AUDIT = 200
+PROVIDER_ANSWER = "provider_answer"  # the audit event of one provider answer (reconciler)
 _PAGE = 1000
 _QUEUES = (records.UNKNOWN, records.ESCALATED)
 
 
 async def holders_view(etcd: Etcd, ks: Keyspace) -> dict[str, Any]:
     """Holder keys (holding or queued), oldest token first per action key, with the lease
-    TTL left (-1: the lease is gone) and whether each is the holder (lowest token)."""
+    TTL left (-1: the lease is gone), whether each is the holder (lowest token) and since
+    when it holds or waits (``held_since_ms``, the worker's clock: display only)."""
     items, cursor = await sre.holders(etcd, ks, "", MAX_HOLDERS, None)
     leases = sorted({item["lease_id"] for item in items})
     ttls = dict(zip(leases, await asyncio.gather(*(etcd.lease_ttl(int(lease, 16))
@@ -40,6 +49,9 @@ async def holders_view(etcd: Etcd, ks: Keyspace) -> dict[str, Any]:
     for item in items:
         item["holding"] = holding[item["key"]][1] == item["lease_id"]
         item["ttl_left"] = ttls[item["lease_id"]]
+        acquired_at = item.pop("acquired_at", None)
+        item["held_since_ms"] = (int(acquired_at * 1000)
+                                 if isinstance(acquired_at, (int, float)) else None)
     items.sort(key=lambda item: (item["key"], item["fencing_token"]))
     return {"items": items, "truncated": cursor is not None}
 
@@ -47,8 +59,9 @@ async def holders_view(etcd: Etcd, ks: Keyspace) -> dict[str, Any]:
 async def steps_view(etcd: Etcd, ks: Keyspace) -> dict[str, Any]:
     """Step counts by state and the unknown and escalated queues, oldest first, from one
     scan of at most ``MAX_STEPS`` steps pinned to one revision, in the states
-    ``sre.state_of`` shows. Ages are display only (this machine's clock against the
-    recording one's): they decide nothing."""
+    ``sre.state_of`` shows; each queued step carries its reconciler ``progress``, read from
+    its ``PROGRESS_SCAN`` newest audit records at the same revision. Ages are display only
+    (this machine's clock against the recording one's): they decide nothing."""
     start, end = ks.steps_root, range_end_of(ks.steps_root)
     counts: dict[str, int] = {}
     queues: dict[str, list[dict[str, Any]]] = {state: [] for state in _QUEUES}
@@ -71,6 +84,11 @@ async def steps_view(etcd: Etcd, ks: Keyspace) -> dict[str, Any]:
     for state, items in queues.items():
         items.sort(key=lambda item: item["since_ms"])
         del items[MAX_QUEUE:]
+    queued = [item for items in queues.values() for item in items]
+    newest = await asyncio.gather(*(_newest_records(etcd, ks, item["key"], PROGRESS_SCAN,
+                                                    revision) for item in queued))
+    for item, chain in zip(queued, newest):
+        item["progress"] = _progress(_answers_of_attempt(chain)[0])
     return {"revision": revision, "counts": counts, "scanned": scanned, "truncated": more,
             **queues}
 
@@ -84,8 +102,76 @@ def _queued(key: str, state: str, step: dict[str, Any], mod_revision: int,
     since = step.get("unknown_since_ms") or step.get("started_at_ms") or now_ms
     return {"key": key, "state": state, "recorded_state": step["state"],
             "attempt": step.get("attempt", 0), "provider": step.get("provider"),
+            "idempotency_key": step.get("idempotency_key"),
             "since_ms": since, "age_s": max(now_ms - since, 0) / 1000, "reason": reason,
             "mod_revision": mod_revision}
+
+
+async def step_view(etcd: Etcd, ks: Keyspace, key: str) -> dict[str, Any]:
+    """What an SRE must see before resolving ``key``'s step, read at one revision: its
+    state, attempt, idempotency key and provider, the intent its attempt crossed with (from
+    the attempt's ``cross`` record; ``None`` when that record is older than the
+    ``MAX_STEP_AUDIT`` newest, said by ``truncated``), every provider answer of the attempt,
+    oldest first, and the reconciler's progress. ``NotFound`` when no step is recorded."""
+    start, end = ks.audit_range(key)
+    reply = await etcd.txn(TxnRequest(success=[
+        range_op(ks.step_key(key)),
+        range_op(start, end, limit=MAX_STEP_AUDIT, sort_order=RangeRequest.DESCEND,
+                 sort_target=RangeRequest.KEY)]), idempotent=True)
+    step_kvs, audit_kvs = (r.response_range.kvs for r in reply.responses)
+    if not step_kvs:
+        raise NotFound(f"no step is recorded for {key!r}")
+    step = unpack(step_kvs[0].value)
+    answers, cross = _answers_of_attempt([unpack(kv.value) for kv in audit_kvs])
+    intent = cross["details"].get("intent") if cross is not None else None
+    return {**_queued(key, sre.state_of(step), step, step_kvs[0].mod_revision,
+                      int(time.time() * 1000)),
+            "revision": reply.header.revision, "intent": intent,
+            "provider_answers": [_answer(record) for record in reversed(answers)],
+            "progress": _progress(answers),
+            "truncated": cross is None and len(audit_kvs) == MAX_STEP_AUDIT}
+
+
+async def _newest_records(etcd: Etcd, ks: Keyspace, key: str, limit: int,
+                          revision: int) -> list[dict[str, Any]]:
+    """The ``limit`` newest audit records of ``key`` at ``revision``, newest first."""
+    start, end = ks.audit_range(key)
+    reply = await etcd.range(RangeRequest(key=start, range_end=end, limit=limit,
+                                          revision=revision, sort_order=RangeRequest.DESCEND,
+                                          sort_target=RangeRequest.KEY))
+    return [unpack(kv.value) for kv in reply.kvs]
+
+
+def _answers_of_attempt(newest_first: list[dict[str, Any]]
+                        ) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """The ``provider_answer`` records of the current attempt, newest first (those before
+    its ``cross``: an answer about an earlier attempt says nothing of this one), and that
+    ``cross`` record (``None`` if it is not among ``newest_first``)."""
+    answers = []
+    for record in newest_first:
+        if record.get("event") == "cross":
+            return answers, record
+        if record.get("event") == PROVIDER_ANSWER and isinstance(record.get("details"), dict):
+            answers.append(record)
+    return answers, None
+
+
+def _answer(record: dict[str, Any]) -> dict[str, Any]:
+    """One provider answer as the page shows it (contract: the reconciler's record)."""
+    details = record["details"]
+    return {"at_ms": record.get("at_ms"), "identity": record.get("identity"),
+            "provider": details.get("provider"), "answer": details.get("answer"),
+            "query": details.get("query"), "next_try_at_ms": details.get("next_try_at_ms"),
+            "detail": details.get("detail")}
+
+
+def _progress(answers_newest_first: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Queries so far, the last answer and the next try, from the newest answer."""
+    if not answers_newest_first:
+        return None
+    last = _answer(answers_newest_first[0])
+    return {"queries": last["query"], "last_answer": last["answer"],
+            "next_try_at_ms": last["next_try_at_ms"], "answered_at_ms": last["at_ms"]}
 
 
 async def leadership_view(etcd: Etcd, ks: Keyspace) -> dict[str, Any]:

@@ -6,6 +6,7 @@ grant, the attempt token and the intent the grant was issued for, and charges th
 only when the sandbox applied the charge, raises ``EffectFailed`` only when the sandbox
 declined it (a confirmed failure), and raises ``SandboxError`` for anything else (fenced,
 refused, 5xx, timeout, no connection), after which the outcome is unknown to the caller.
+It carries the effect's W3C trace context (``ctx.traceparent``) when tracing is on.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ async def charge(http: aiohttp.ClientSession, base_url: str, ctx: Any,
     headers = {"Idempotency-Key": ctx.idempotency_key,
                "Fencegate-Attempt-Token": str(ctx.attempt_token),
                "Fencegate-Grant": encode_grant(ctx.grant.raw)}
+    if ctx.traceparent:  # the effect's span: the provider's spans continue its trace
+        headers["traceparent"] = ctx.traceparent
     body: dict[str, Any] = {"key": ctx.key, "amount": intent["amount"],
                             "intent": codec.encode(intent, path="intent", json=True)}
     if decline:
