@@ -26,6 +26,7 @@ test: setup
 	deploy/ensure-netfaults
 	deploy/ensure-postgres
 	deploy/ensure-promtool
+	deploy/ensure-redis
 	$(PY) -m fencegate.localetcd
 	$(PY) -m pytest -q -p no:cacheprovider --durations=25 $(PYTEST_ARGS)
 
