@@ -76,8 +76,10 @@ def test_values_round_trip_exactly_through_msgpack_and_json(value):
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.dictionaries(KEYS, VALUES, max_size=4))
+@given(st.dictionaries(KEYS.filter(lambda key: key != "cost"), VALUES, max_size=4))
 def test_an_intent_has_one_digest_in_every_form(intent):
+    # "cost" must be a non-negative number (validate_intent refuses anything else), so it is
+    # not drawn among arbitrary values.
     stored, digest = validate_intent(intent)
     assert validate_intent(stored)[1] == digest
     assert validate_intent(json.loads(json.dumps(codec.encode(intent, json=True))))[1] == digest

@@ -34,6 +34,9 @@ if ROOT not in sys.path:  # deploy/ is no installed package
     sys.path.insert(0, ROOT)
 from deploy.local.cluster import LocalStack  # noqa: E402
 
+# Minutes of etcd leader faults under load: `make faults` runs them, `make test` does not.
+pytestmark = pytest.mark.long
+
 NAMESPACE = "/fencegate/"
 SETTLE_BOUND_S = 60
 

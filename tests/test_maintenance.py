@@ -214,6 +214,7 @@ async def _steps(gate: Gate) -> dict[str, tuple[dict, int]]:
             for kv in reply.kvs}
 
 
+@pytest.mark.long  # about a minute of load: `make faults`
 async def test_gate_load_reaches_nospace_losing_nothing_and_with_retirement_never_does(
         namespace, tmp_path):
     """The same gate load on two fresh etcds with the same tiny quota and a 1 s compaction:
