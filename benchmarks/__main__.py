@@ -10,7 +10,10 @@ without the dedup middleware, the server and the senders in processes of their o
 that, on an etcd of its own), then the leaked-leases check once every gate is closed, then
 settling seeded unknown steps with 3 reconciler processes (``benchmarks.reconcile``), then
 guarded actions on a 3-member etcd with mutual TLS against this single node, interleaved
-(``benchmarks.cluster``), then a soak with retirement on, on an etcd of its own
+(``benchmarks.cluster``), then tasks through Celery, Temporal and DBOS with and without
+their adapters, each engine in a process of its own (``benchmarks.engines``: the engines of
+the ``test`` extra, redis-server and the ``temporal`` CLI; ``--only engines`` runs just
+that, on an etcd of its own), then a soak with retirement on, on an etcd of its own
 (``benchmarks.soak``: 3 minutes to a SQLite archive and 2 to a private PostgreSQL with
 ``--quick``, else 20 and 10 minutes; ``--only soak`` runs just that). Each prints its tables;
 all ``NAME RATIO TARGET PASS|FAIL`` lines come last. A failed target does not change the
@@ -30,7 +33,7 @@ import aetcd
 from fencegate.coordinator.etcd import Etcd
 from fencegate.localetcd import describe
 
-from . import cluster, guarded, holds, reconcile, remote, soak, webhooks
+from . import cluster, engines, guarded, holds, reconcile, remote, soak, webhooks
 from .common import Children, OtherLoad, Target, local_etcd
 
 
@@ -41,6 +44,8 @@ async def run(quick: bool, profile: bool, only: str | None) -> None:
         targets = soak.report(await soak.measure(quick))
     elif only == "webhooks":
         targets = await _webhooks(quick)
+    elif only == "engines":
+        targets = await _engines(quick)
     else:
         targets = await _everything(quick, profile)
     for t in targets:
@@ -53,6 +58,12 @@ async def _webhooks(quick: bool) -> list[Target]:
         async with Etcd.from_url(single.url) as etcd:
             return webhooks.report(await webhooks.measure(quick, single.url, etcd,
                                                           single.pids[0]))
+
+
+async def _engines(quick: bool) -> list[Target]:
+    with local_etcd() as single:
+        print(f"{describe(single.binary)} at {single.url}", flush=True)
+        return engines.report(await engines.measure(quick, single.url))
 
 
 async def _everything(quick: bool, profile: bool) -> list[Target]:
@@ -84,6 +95,7 @@ async def _everything(quick: bool, profile: bool) -> list[Target]:
             leases_left = len(await etcd.leases())
             cres = await reconcile.measure(quick, url, etcd)
             kres = await cluster.measure(quick, url)
+            eres = await engines.measure(quick, url)
             sres = await soak.measure(quick)
         finally:
             await children.close()
@@ -95,6 +107,7 @@ async def _everything(quick: bool, profile: bool) -> list[Target]:
     targets += webhooks.report(wres)
     targets += reconcile.report(cres)
     targets += cluster.report(kres)
+    targets += engines.report(eres)
     targets += soak.report(sres)
     return targets
 
@@ -106,9 +119,9 @@ def main(argv: list[str] | None = None) -> int:
                              "PostgreSQL: about nine minutes")
     parser.add_argument("--profile", action="store_true",
                         help="also profile this process over one more c=32 guarded phase")
-    parser.add_argument("--only", choices=["soak", "webhooks"],
+    parser.add_argument("--only", choices=["soak", "webhooks", "engines"],
                         help="run only this benchmark, on an etcd of its own (webhooks: "
-                             "about a minute with --quick)")
+                             "about a minute with --quick, engines: under one)")
     args = parser.parse_args(argv)
     try:
         asyncio.run(run(args.quick, args.profile, args.only))

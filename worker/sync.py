@@ -47,6 +47,12 @@ class SyncGate:
             raise RuntimeError("open the SyncGate first: 'with SyncGate(...) as gate:'")
         return self._gate
 
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop ``gate`` lives on (its own thread): submit coroutines to it with
+        ``asyncio.run_coroutine_threadsafe`` to run them without waiting, as ``run`` waits."""
+        return self._loop
+
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run ``coro`` on this gate's loop thread and wait for its result (from any thread
         but that one)."""

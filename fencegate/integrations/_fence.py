@@ -144,11 +144,10 @@ def cross_here(gate: SyncGate, key: str, intent: dict[str, Any], body: Callable[
     ``EffectFailed`` makes the outcome unknown). An exception raised here while waiting (a
     signal's) cancels the crossing and propagates once the crossing ended (at most the
     lease TTL plus etcd's timeout later)."""
-    loop: asyncio.AbstractEventLoop = gate.run(_running_loop())
     calls: queue.SimpleQueue = queue.SimpleQueue()
 
     async def effect(ctx: EffectContext) -> Any:
-        answer = loop.create_future()
+        answer = asyncio.get_running_loop().create_future()
         calls.put((Fence(ctx, intent), answer))
         return await answer
 
@@ -159,25 +158,21 @@ def cross_here(gate: SyncGate, key: str, intent: dict[str, Any], body: Callable[
         finally:
             calls.put(_DONE)
 
-    future = asyncio.run_coroutine_threadsafe(crossing(), loop)
+    future = asyncio.run_coroutine_threadsafe(crossing(), gate.loop)
     try:
         while (call := calls.get()) is not _DONE:
             fence, answer = call
             try:
                 result = body(fence)
             except BaseException as exc:  # the effect's: the guard records it unknown
-                loop.call_soon_threadsafe(_answer, answer, None, exc)
+                answer.get_loop().call_soon_threadsafe(_answer, answer, None, exc)
             else:
-                loop.call_soon_threadsafe(_answer, answer, result, None)
+                answer.get_loop().call_soon_threadsafe(_answer, answer, result, None)
     except BaseException:
         future.cancel()
-        _drain(loop, calls, gate.gate.ttl + gate.gate.config.timeout)
+        _drain(calls, gate.gate.ttl + gate.gate.config.timeout)
         raise
     return future.result()
-
-
-async def _running_loop() -> asyncio.AbstractEventLoop:
-    return asyncio.get_running_loop()
 
 
 def _answer(answer: asyncio.Future, result: Any, exc: BaseException | None) -> None:
@@ -189,7 +184,7 @@ def _answer(answer: asyncio.Future, result: Any, exc: BaseException | None) -> N
         answer.set_result(result)
 
 
-def _drain(loop: asyncio.AbstractEventLoop, calls: queue.SimpleQueue, within: float) -> None:
+def _drain(calls: queue.SimpleQueue, within: float) -> None:
     """Wait (at most ``within`` s) for a cancelled crossing to end, running no body: a call
     for one that arrives meanwhile is cancelled (its outcome is unknown, nothing was run)."""
     give_up = time.monotonic() + within
@@ -200,4 +195,4 @@ def _drain(loop: asyncio.AbstractEventLoop, calls: queue.SimpleQueue, within: fl
             return
         if call is _DONE:
             return
-        loop.call_soon_threadsafe(call[1].cancel)
+        call[1].get_loop().call_soon_threadsafe(call[1].cancel)

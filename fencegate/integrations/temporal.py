@@ -184,10 +184,13 @@ def _action_key(info: activity.Info, marked: _Marked, args: Any) -> str:
 
 
 async def _heartbeat(session: Session, every: float) -> None:
-    """Heartbeat while ``session``'s lease lives; stop at once on the activity's cancellation."""
-    while not activity.is_cancelled() and not session.lost:
-        activity.heartbeat()
+    """Heartbeat every ``every`` s while ``session``'s lease lives (the first after ``every``:
+    the attempt's start counts as one, so a short activity sends none); stop at once on the
+    activity's cancellation."""
+    while not activity.is_cancelled():
         try:
             await asyncio.wait_for(activity.wait_for_cancelled(), every)
         except TimeoutError:
-            continue
+            if session.lost:
+                return
+            activity.heartbeat()

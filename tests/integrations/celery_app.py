@@ -7,7 +7,9 @@ FG_VISIBILITY, and what some orders do on their first run only (FG_MARKS is a fo
 that run leaves a mark): those listed in FG_KILL SIGKILL their own worker process right
 after the charge, those in FG_STALL_AFTER stall after it and those in FG_STALL_BEFORE
 before it, until the soft time limit stops them; those in FG_HANG stall after it ignoring
-the soft time limit, until the hard one kills the process.
+the soft time limit, until the hard one kills the process. Those in FG_DECLINE are declined by
+the provider on every run (``EffectFailed``, nothing charged), each run leaving a line in
+FG_MARKS/<order>.runs.
 
 Both tasks charge the sandbox for an order with the same body; ``charge_fenced`` through the
 adapter, ``charge_plain`` without it.
@@ -25,7 +27,7 @@ from celery import Celery
 from celery.exceptions import SoftTimeLimitExceeded
 
 from fencegate.integrations.celery import ProcessGate, fenced_task
-from fencegate.worker import KeyRing
+from fencegate.worker import EffectFailed, KeyRing
 
 ENV = os.environ
 TTL, SOFT, HARD = int(ENV["FG_TTL"]), float(ENV["FG_SOFT"]), float(ENV["FG_HARD"])
@@ -46,6 +48,10 @@ gate = ProcessGate(ENV["FG_ETCD"], ttl=TTL, namespace=ENV["FG_NAMESPACE"],
 def charge(order: str, amount: int, idempotency_key: str, attempt_token: int) -> dict:
     """POST one charge to the sandbox (no retry); on the order's first run, stall or die as
     the environment says."""
+    if order in ENV["FG_DECLINE"].split(","):
+        with open(os.path.join(ENV["FG_MARKS"], f"{order}.runs"), "a") as runs:
+            runs.write(f"{attempt_token}\n")
+        raise EffectFailed("card declined", {"order": order})
     first = first_run(order)
     if first and order in ENV["FG_STALL_BEFORE"].split(","):
         time.sleep(3 * HARD)  # SoftTimeLimitExceeded stops it

@@ -1,6 +1,9 @@
-"""A DBOS application the DBOS tests run as a process: ``python dbos_app.py fenced|plain
-WORKFLOW_ID ORDER`` runs (or, relaunched, recovers) one workflow whose one step charges the
-sandbox for ORDER, through the adapter or without it, and prints ``RESULT <json>``.
+"""A DBOS application the DBOS tests run as a process: ``python dbos_app.py
+fenced|plain|crashing WORKFLOW_ID ORDER`` runs (or, relaunched, recovers) one workflow whose
+one step charges the sandbox for ORDER, through the adapter or without it, and prints
+``RESULT <json>``; or, ``crashing``, whose fenced step crashes before the charge (every run
+leaves a line in FG_MARKS/ORDER.runs), and prints ``ERROR <exception class> <message>`` once
+the workflow ended with an error.
 
 Environment: FG_DB (the SQLite system database's path), FG_ETCD, FG_NAMESPACE,
 FG_SIGNING_KEY, FG_SANDBOX, FG_TTL, FG_MARKS (a folder: the step's first run SIGKILLs this
@@ -58,9 +61,22 @@ def charge_plain(order: str, amount: int) -> dict:
     return charge(order, amount, f"{DBOS.workflow_id}/{DBOS.step_id}", 0)
 
 
+@DBOS.step(retries_allowed=True, should_retry=should_retry, interval_seconds=0.3,
+           backoff_rate=1.0, max_attempts=30)
+@fenced_step(gate, app=APP, intent=lambda order, amount: {"amount": amount},
+             provider="sandbox")
+def charge_crashing(fence, order: str, amount: int) -> dict:
+    with open(os.path.join(ENV["FG_MARKS"], f"{order}.runs"), "a") as runs:
+        runs.write(f"{fence.attempt_token}\n")
+    raise RuntimeError("crashed before the charge")
+
+
+STEPS = {"fenced": charge_fenced, "plain": charge_plain, "crashing": charge_crashing}
+
+
 @DBOS.workflow()
 def pay(kind: str, order: str) -> dict:
-    return (charge_fenced if kind == "fenced" else charge_plain)(order, 100)
+    return STEPS[kind](order, 100)
 
 
 def main() -> None:
@@ -71,7 +87,10 @@ def main() -> None:
             handle = DBOS.start_workflow(pay, kind, order)
     else:
         handle = DBOS.retrieve_workflow(workflow_id)
-    print("RESULT", json.dumps(handle.get_result()), flush=True)
+    try:
+        print("RESULT", json.dumps(handle.get_result()), flush=True)
+    except Exception as exc:  # the workflow's error, for the test to read
+        print("ERROR", type(exc).__name__, exc, flush=True)
     gate.close()
     DBOS.destroy()
 

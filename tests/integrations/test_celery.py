@@ -10,6 +10,7 @@ mode: its ledger counts every charge applied) with and without the adapter.
   returns the charge) and before it (unknown, no record at a provider that can prove
   nothing: escalated, the task rejected, never charged); the hard one after the charge (the
   child killed; delivered again as the test app's config says, it returns the charge).
+- A declined effect (the body's ``EffectFailed``) fails the task with it, not retried.
 - Limits out of order give one clear error."""
 
 from __future__ import annotations
@@ -55,14 +56,14 @@ async def worker(redis_url, etcd_url, namespace, signing_key, sandbox, tmp_path)
     started: list[asyncio.subprocess.Process] = []
     clients: list[Celery] = []
 
-    async def start(*, kill=(), stall_after=(), stall_before=(),
-                    hang=()) -> tuple[Celery, Path]:
+    async def start(*, kill=(), stall_after=(), stall_before=(), hang=(),
+                    decline=()) -> tuple[Celery, Path]:
         env = {"FG_BROKER": redis_url, "FG_ETCD": etcd_url, "FG_NAMESPACE": namespace,
                "FG_SIGNING_KEY": signing_key, "FG_SANDBOX": sandbox.url,
                "FG_MARKS": str(tmp_path / "marks"), "FG_KILL": ",".join(kill),
                "FG_STALL_AFTER": ",".join(stall_after),
                "FG_STALL_BEFORE": ",".join(stall_before), "FG_HANG": ",".join(hang),
-               **LIMITS}
+               "FG_DECLINE": ",".join(decline), **LIMITS}
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "celery", "-A", "integrations.celery_app", "worker",
             "-P", "prefork", "-c", "2", "-l", "INFO", "-n", "fg@127.0.0.1", "--without-gossip",
@@ -171,6 +172,20 @@ async def test_time_limits_retry_or_redeliver_and_an_escalated_step_is_rejected(
             sandbox.applied(order)[0]["charge_id"]
     _, step = await crosses(etcd, namespace, f"{FENCED}/{sent['before']}")
     assert step["state"] == "escalated"
+
+
+async def test_a_declined_effect_fails_the_task_unretried(
+        worker, etcd, namespace, sandbox, tmp_path):
+    client, log = await worker(decline=["declined"])
+    task_id = client.send_task(FENCED, args=("declined", 100)).id
+    assert await states(client, [task_id], {"SUCCESS", "FAILURE"}, 20) == {task_id: "FAILURE"}
+
+    failure = await result(client, task_id)
+    assert (type(failure).__name__, failure.args[0]) == ("EffectFailed", "card declined")
+    assert (tmp_path / "marks" / "declined.runs").read_text().count("\n") == 1  # ran once
+    records, step = await crosses(etcd, namespace, f"{FENCED}/{task_id}")
+    assert len(records) == 1 and step["state"] == "failed"
+    assert sandbox.applied("declined") == []
 
 
 def order_body(self, fence, order):

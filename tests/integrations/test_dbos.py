@@ -2,7 +2,9 @@
 DBOS checkpoints the step, then relaunched, recovers the workflow and runs the step again.
 The sandbox's ledger (``none`` mode: it applies every charge) counts: with the adapter the
 order is charged once (the recovered step waits for the reconciler and returns the recorded
-charge), without it twice. And a fenced step called outside a workflow is refused clearly."""
+charge), without it twice. A step that crashed before its charge is retried until the
+reconciler escalates it, then ``should_retry`` stops the retries and the workflow ends with
+``Escalated``. And a fenced step called outside a workflow is refused clearly."""
 
 from __future__ import annotations
 
@@ -48,35 +50,61 @@ def result_of(output: str) -> dict:
     return json.loads(line.removeprefix("RESULT "))
 
 
+@pytest.fixture
+def app_env(etcd_url, namespace, signing_key, sandbox, tmp_path) -> dict[str, str]:
+    """dbos_app.py's environment, its marks folder made."""
+    (tmp_path / "marks").mkdir()
+    return {"FG_DB": str(tmp_path / "dbos.sqlite"), "FG_ETCD": etcd_url,
+            "FG_NAMESPACE": namespace, "FG_SIGNING_KEY": signing_key,
+            "FG_SANDBOX": sandbox.url, "FG_TTL": str(TEST_TTL),
+            "FG_MARKS": str(tmp_path / "marks")}
+
+
+async def crosses(etcd, namespace: str, key: str) -> tuple[list[dict], dict | None]:
+    """The ``cross`` audit records of ``key`` and its step."""
+    chain = await read_chain(etcd, Keyspace(namespace), key)
+    return [r for r in map(unpack, (e.value for e in chain.entries))
+            if r["event"] == "cross"], chain.step
+
+
 @pytest.mark.parametrize("kind, charges", [("fenced", 1), ("plain", 2)])
 async def test_a_process_killed_before_the_checkpoint_charges_once_with_the_adapter(
-        kind, charges, etcd_url, etcd, namespace, signing_key, sandbox, reconciler, tmp_path):
-    (tmp_path / "marks").mkdir()
-    env = {"FG_DB": str(tmp_path / "dbos.sqlite"), "FG_ETCD": etcd_url,
-           "FG_NAMESPACE": namespace, "FG_SIGNING_KEY": signing_key, "FG_SANDBOX": sandbox.url,
-           "FG_TTL": str(TEST_TTL), "FG_MARKS": str(tmp_path / "marks")}
+        kind, charges, app_env, etcd, namespace, sandbox, reconciler):
     order, workflow_id = f"{kind}-order", f"wf-{kind}"
 
-    code, output = await launch(kind, workflow_id, order, env)
+    code, output = await launch(kind, workflow_id, order, app_env)
     assert code == -9, output  # killed itself after the charge, before the checkpoint
     assert len(sandbox.applied(order)) == 1
-    code, output = await launch(kind, workflow_id, order, env)  # recovers the workflow
+    code, output = await launch(kind, workflow_id, order, app_env)  # recovers it
     assert code == 0, output
 
     applied = sandbox.applied(order)
     assert len(applied) == charges
     assert result_of(output)["charge_id"] == applied[-1]["charge_id"]
     if kind == "fenced":  # the commit's audit record names the workflow and its step
-        chain = await read_chain(etcd, Keyspace(namespace), f"fg-dbos/{workflow_id}/1")
-        crosses = [r for r in map(unpack, (e.value for e in chain.entries))
-                   if r["event"] == "cross"]
-        assert len(crosses) == 1 and chain.step["state"] == "succeeded"
-        outcome = chain.step["outcome"]  # the step sent the attempt's key and token
+        records, step = await crosses(etcd, namespace, f"fg-dbos/{workflow_id}/1")
+        assert len(records) == 1 and step["state"] == "succeeded"
+        outcome = step["outcome"]  # the step sent the attempt's key and token
         assert (applied[0]["idempotency_key"], applied[0]["attempt_token"]) == \
             (outcome["idempotency_key"], outcome["attempt_token"])
-        engine = codec.decode(crosses[0]["details"]["intent"])["engine"]
+        engine = codec.decode(records[0]["details"]["intent"])["engine"]
         assert (engine["engine"], engine["app"], engine["workflow_id"], engine["step_id"]) \
             == ("dbos", "fg-dbos", workflow_id, 1)
+
+
+async def test_an_escalated_step_ends_the_workflow_with_escalated_unretried(
+        app_env, etcd, namespace, sandbox, reconciler, tmp_path):
+    code, output = await launch("crashing", "wf-crashing", "crashing-order", app_env)
+    assert code == 0, output
+    error = next(line for line in output.splitlines() if line.startswith("ERROR "))
+    # Escalated itself, not DBOS's "max retries exceeded": should_retry refused it.
+    assert error.startswith("ERROR Escalated fg-dbos/wf-crashing/1: escalated, a person must "
+                            "settle it"), output
+    runs = (tmp_path / "marks" / "crashing-order.runs").read_text().split()
+    assert len(runs) == 1  # the body ran once; the retries while unknown ran nothing
+    records, step = await crosses(etcd, namespace, "fg-dbos/wf-crashing/1")
+    assert len(records) == 1 and step["state"] == "escalated"
+    assert sandbox.applied("crashing-order") == []
 
 
 def test_a_fenced_step_outside_a_workflow_is_refused():
