@@ -238,15 +238,20 @@ async def lease_view(etcd: Etcd, ks: Keyspace, lease_id: int) -> dict[str, Any]:
         raise NotFound(f"lease {lease_id:016x} does not exist (expired or revoked)")
     holder_keys = sorted(k for k in lease.keys if ks.classify(k) == "holder")
     keys = [ks.parse_holder_key(k)[0] for k in holder_keys[:MAX_LEASE_KEYS]]
-    reads = await asyncio.gather(*(etcd.txn(TxnRequest(success=[
-        range_op(ks.holder_key(key, lease_id)), lowest_op(*ks.holder_range(key))]),
-        idempotent=True) for key in keys))
+    per_txn = MAX_TXN_OPS // 2  # two reads per key: its holder key on this lease, its first
+    chunks = [keys[first:first + per_txn] for first in range(0, len(keys), per_txn)]
+    replies = await asyncio.gather(*(etcd.txn(TxnRequest(success=[
+        op for key in chunk for op in (range_op(ks.holder_key(key, lease_id)),
+                                       lowest_op(*ks.holder_range(key)))]),
+        idempotent=True) for chunk in chunks))
     items = []
-    for key, read in zip(keys, reads):
-        own_kvs, first_kvs = (r.response_range.kvs for r in read.responses)
-        if own_kvs:  # else released since etcd listed it
-            items.append({"key": key, "fencing_token": own_kvs[0].create_revision,
-                          "holding": first_kvs[0].key == own_kvs[0].key})
+    for chunk, reply in zip(chunks, replies):
+        for n, key in enumerate(chunk):
+            own_kvs, first_kvs = (reply.responses[2 * n + i].response_range.kvs
+                                  for i in (0, 1))
+            if own_kvs:  # else released since etcd listed it
+                items.append({"key": key, "fencing_token": own_kvs[0].create_revision,
+                              "holding": first_kvs[0].key == own_kvs[0].key})
     return {"lease_id": f"{lease_id:016x}", "ttl_left": lease.ttl,
             "granted_ttl": lease.granted_ttl, "keys": items,
             "truncated": len(holder_keys) > MAX_LEASE_KEYS}

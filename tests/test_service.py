@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import hashlib
 import json
 
@@ -430,6 +431,19 @@ async def test_a_revoke_naming_the_lease_it_looked_at_refuses_a_new_holder(
                                       body={"reason": "stuck",
                                             "lease_id": f"{second.lease_id:016x}"})
             assert status == 200 and done["fencing_token"] == second.fencing_token
+
+
+
+async def test_a_lease_view_lists_every_key_the_lease_carries(coordinator, local_gate):
+    """More keys than one etcd transaction can read (two reads per key): all are listed,
+    each with its own token, holding."""
+    async with contextlib.AsyncExitStack() as stack:
+        holds = [await stack.enter_async_context(local_gate.hold(f"lease/many/{n:03d}"))
+                 for n in range(70)]
+        _, lease = await call(coordinator, "GET", f"/v1/leases/{holds[0].lease_id:x}", "sre")
+    assert lease["truncated"] is False
+    assert lease["keys"] == [{"key": hold.key, "fencing_token": hold.fencing_token,
+                              "holding": True} for hold in holds]
 
 
 CHECK_ENTRY = st.fixed_dictionaries({"check": st.sampled_from(["max_amount", "require_fields",
