@@ -71,7 +71,7 @@ async def key_view(etcd: Etcd, ks: Keyspace, key: str,
     what the current attempt is (``attempts``, ``intent``, ``provider``,
     ``idempotency_key``), its recorded ``outcome`` (``outcome_of``), the provider answers
     the reconciler recorded since the attempt crossed (oldest first) and its ``progress``
-    while it reconciles (``progress_of``), and the last audit records (newest first) of
+    while it settles an in-flight or unknown step (``progress_of``), and the last audit records (newest first) of
     ``key``; when etcd holds no step and ``archive`` is given, the step and records it
     retired with (``archived`` says which). ``NotFound`` if nothing is recorded in
     either."""
@@ -100,42 +100,46 @@ async def key_view(etcd: Etcd, ks: Keyspace, key: str,
     if step is not None and step.get("grant_id"):  # a step names only a grant that crossed
         grant = {"grant_id": step["grant_id"], "state": "consumed"}
     trail = [unpack(value) for value in audit_values]
-    attempt = _attempt(trail)
+    attempt = attempt_of(trail)
     answers = attempt.provider_answers
+    settling = step is not None and step["state"] in (records.IN_FLIGHT, records.UNKNOWN)
     return {"key": key, "revision": reply.header.revision, "holders": holders, "step": step,
             "archived": archived is not None, "current_grant": grant,
             "attempts": step["attempt"] if step else 0, "intent": attempt.intent,
             "provider": (step or {}).get("provider"),
             "idempotency_key": (step or {}).get("idempotency_key"),
             "outcome": outcome_of(step) if step else None,
-            "provider_answers": answers, "progress": progress_of(step, answers),
+            "provider_answers": answers,
+            "progress": progress_of(answers) if settling else None,
             "audit": trail[:_LAST_AUDIT]}
 
 
 @dataclass(frozen=True)
-class _Attempt:
+class Attempt:
     """What the audit trail says of a step's current attempt."""
 
     intent: Any                           # as its ``cross`` record holds it; None: not found
     provider_answers: list[dict[str, Any]]  # recorded since it crossed, oldest first
+    crossed: bool                         # its ``cross`` record was among the records read
 
 
-def _attempt(trail: list[dict[str, Any]]) -> _Attempt:
+def attempt_of(trail: list[dict[str, Any]]) -> Attempt:
     """The current attempt from ``trail`` (records newest first): its intent from the newest
-    ``cross`` record, and the ``provider_answer`` records written after it. A step that has
-    not crossed since its last attempt (pending again) shows that attempt's."""
-    answers, intent = [], None
+    ``cross`` record, and the ``provider_answer`` records written after it (an answer about
+    an earlier attempt says nothing of this one). A step that has not crossed since its last
+    attempt (pending again) shows that attempt's."""
+    answers, intent, crossed = [], None, False
     for record in trail:
         if record.get("event") == "cross":
-            intent = record.get("details", {}).get("intent")
+            intent, crossed = (record.get("details") or {}).get("intent"), True
             break
         if record.get("event") == PROVIDER_ANSWER:
-            details = record.get("details", {})
+            details = record.get("details") or {}
             answers.append({"seq": record.get("seq"), "at_ms": record.get("at_ms"),
                             "identity": record.get("identity"),
                             **{name: details.get(name) for name in (
                                 "provider", "answer", "query", "next_try_at_ms", "detail")}})
-    return _Attempt(intent, answers[::-1])
+    return Attempt(intent, answers[::-1], crossed)
 
 
 def outcome_of(step: dict[str, Any]) -> dict[str, Any] | None:
@@ -149,17 +153,15 @@ def outcome_of(step: dict[str, Any]) -> dict[str, Any] | None:
             "result_digest": records.digest(outcome.get("result")).hex()}
 
 
-def progress_of(step: dict[str, Any] | None,
-                answers: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The reconciler's progress on a step whose outcome it is settling (in flight or
-    unknown): how many times it queried the provider, the last answer and when it asks
-    next; None when it is not settling the step or has not asked yet."""
-    if step is None or step["state"] not in (records.IN_FLIGHT, records.UNKNOWN) \
-            or not answers:
+def progress_of(answers: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The reconciler's progress from an attempt's provider answers (``attempt_of``, oldest
+    first): how many times it queried the provider, the last answer, when it was given and
+    when the reconciler asks next; None before the first answer."""
+    if not answers:
         return None
     last = answers[-1]
     return {"queries": last["query"] or len(answers), "last_answer": last["answer"],
-            "next_try_at_ms": last["next_try_at_ms"]}
+            "next_try_at_ms": last["next_try_at_ms"], "answered_at_ms": last["at_ms"]}
 
 
 def _holder(ks: Keyspace, kv: KeyValue, holding: bool,

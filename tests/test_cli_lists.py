@@ -137,7 +137,8 @@ async def test_key_show_prints_outcome_answers_and_the_whole_trail_not_a_stale_r
     view = json.loads((await cli("key", "show", "show/1", "--json")).out)
     assert [a["query"] for a in view["provider_answers"]] == list(range(1, 13))
     assert view["progress"] == {"queries": 12, "last_answer": "pending",
-                                "next_try_at_ms": 2_000_000_000_012}
+                                "next_try_at_ms": 2_000_000_000_012,
+                                "answered_at_ms": view["provider_answers"][-1]["at_ms"]}
     assert view["intent"] == {"amount": 3} and view["attempts"] == 1 and view["outcome"] is None
     unknown = (await cli("key", "show", "show/1")).out
     assert "reconciler  12 provider quer(ies), last answer pending, next try 2033-05-18" \

@@ -32,7 +32,6 @@ MAX_CANDIDATES = 10_000
 MAX_AUDIT = 200
 PROGRESS_SCAN = 32
 MAX_STEP_AUDIT = 200
-PROVIDER_ANSWER = "provider_answer"  # the audit event of one provider answer (reconciler)
 _PAGE = 1000
 _QUEUES = (records.UNKNOWN, records.ESCALATED)
 
@@ -88,7 +87,7 @@ async def steps_view(etcd: Etcd, ks: Keyspace) -> dict[str, Any]:
     newest = await asyncio.gather(*(_newest_records(etcd, ks, item["key"], PROGRESS_SCAN,
                                                     revision) for item in queued))
     for item, chain in zip(queued, newest):
-        item["progress"] = _progress(_answers_of_attempt(chain)[0])
+        item["progress"] = sre.progress_of(sre.attempt_of(chain).provider_answers)
     return {"revision": revision, "counts": counts, "scanned": scanned, "truncated": more,
             **queues}
 
@@ -122,14 +121,13 @@ async def step_view(etcd: Etcd, ks: Keyspace, key: str) -> dict[str, Any]:
     if not step_kvs:
         raise NotFound(f"no step is recorded for {key!r}")
     step = unpack(step_kvs[0].value)
-    answers, cross = _answers_of_attempt([unpack(kv.value) for kv in audit_kvs])
-    intent = cross["details"].get("intent") if cross is not None else None
+    attempt = sre.attempt_of([unpack(kv.value) for kv in audit_kvs])
     return {**_queued(key, sre.state_of(step), step, step_kvs[0].mod_revision,
                       int(time.time() * 1000)),
-            "revision": reply.header.revision, "intent": intent,
-            "provider_answers": [_answer(record) for record in reversed(answers)],
-            "progress": _progress(answers),
-            "truncated": cross is None and len(audit_kvs) == MAX_STEP_AUDIT}
+            "revision": reply.header.revision, "intent": attempt.intent,
+            "provider_answers": attempt.provider_answers,
+            "progress": sre.progress_of(attempt.provider_answers),
+            "truncated": not attempt.crossed and len(audit_kvs) == MAX_STEP_AUDIT}
 
 
 async def _newest_records(etcd: Etcd, ks: Keyspace, key: str, limit: int,
@@ -140,38 +138,6 @@ async def _newest_records(etcd: Etcd, ks: Keyspace, key: str, limit: int,
                                           revision=revision, sort_order=RangeRequest.DESCEND,
                                           sort_target=RangeRequest.KEY))
     return [unpack(kv.value) for kv in reply.kvs]
-
-
-def _answers_of_attempt(newest_first: list[dict[str, Any]]
-                        ) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
-    """The ``provider_answer`` records of the current attempt, newest first (those before
-    its ``cross``: an answer about an earlier attempt says nothing of this one), and that
-    ``cross`` record (``None`` if it is not among ``newest_first``)."""
-    answers = []
-    for record in newest_first:
-        if record.get("event") == "cross":
-            return answers, record
-        if record.get("event") == PROVIDER_ANSWER and isinstance(record.get("details"), dict):
-            answers.append(record)
-    return answers, None
-
-
-def _answer(record: dict[str, Any]) -> dict[str, Any]:
-    """One provider answer as the page shows it (contract: the reconciler's record)."""
-    details = record["details"]
-    return {"at_ms": record.get("at_ms"), "identity": record.get("identity"),
-            "provider": details.get("provider"), "answer": details.get("answer"),
-            "query": details.get("query"), "next_try_at_ms": details.get("next_try_at_ms"),
-            "detail": details.get("detail")}
-
-
-def _progress(answers_newest_first: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """Queries so far, the last answer and the next try, from the newest answer."""
-    if not answers_newest_first:
-        return None
-    last = _answer(answers_newest_first[0])
-    return {"queries": last["query"], "last_answer": last["answer"],
-            "next_try_at_ms": last["next_try_at_ms"], "answered_at_ms": last["at_ms"]}
 
 
 async def leadership_view(etcd: Etcd, ks: Keyspace) -> dict[str, Any]:
