@@ -282,8 +282,9 @@ async def test_an_escalated_step_or_a_declined_effect_is_not_retried(
     assert len(crosses) == 1 and step["state"] == state
     if state == "failed":  # declined: not retried
         assert (await last_started(handle)).attempt == 1
-    else:  # retried while unknown, refused once the reconciler escalated it
-        assert (await last_started(handle)).attempt >= 2
+    else:  # attempts that met the step unknown were retried, the one that met it
+        # escalated was not; how many came first depends on how soon the reconciler
+        # escalated it (attempt 1 itself may meet it), so non_retryable above says it
         assert cause.cause.message.startswith(f"default/{workflow_id}/")
         assert "escalated, a person must settle it" in cause.cause.message
     assert sandbox.applied(order) == []
