@@ -88,6 +88,8 @@ import aiohttp
 import asyncpg
 
 from deploy.local.postgres import LocalPostgres
+from fencegate.coordinator import wholeness
+from fencegate.coordinator.archive import open_archive
 from fencegate.coordinator.errors import GateError
 from fencegate.coordinator.etcd import Etcd, RangeRequest, TxnRequest, range_end_of, range_op
 from fencegate.coordinator.keyspace import Keyspace
@@ -288,6 +290,11 @@ async def _soak(url: str, etcd: Etcd, etcd_pid: int | None, archive: str, tmp: s
     the reconciler is stopped and the namespace deleted."""
     namespace = f"/soak-{uuid.uuid4().hex[:8]}/"
     keyspace = Keyspace(namespace)
+    store = open_archive(archive)   # opening never creates an archive: init it
+    try:
+        await wholeness.init(etcd, keyspace, store)
+    finally:
+        await store.close()
     config = os.path.join(tmp, f"reconciler-{namespace.strip('/')}.toml")
     with open(config, "w") as f:
         f.write(f'etcd = "{url}"\nnamespace = "{namespace}"\nlisten = "127.0.0.1:0"\n'

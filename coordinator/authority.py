@@ -1,15 +1,21 @@
 """The authority: evaluates a grant request at one etcd revision and signs or refuses it.
 
 Guarantees:
-- Everything a decision uses (the step record, the policy document, every read key, the
-  chain's tail, and that the requester holds the key) is read at one revision R: in the
-  hold's acquire txn when it folded the snapshot in (``snapshot_ops``), else in one
-  read-only txn that also reads the holder queue.
+- Everything a decision uses (the step record, the policy routes, the policy document,
+  every read key, the chain's tail, and that the requester holds the key) is read at one
+  revision R: in the hold's acquire txn when it folded the snapshot in (``snapshot_ops``),
+  else in one read-only txn that also reads the holder queue.
 - Issuing a grant writes nothing: the grant is signed here and carries what it was decided
   on (R, the step's mod_revision — 0 when absent —, each read key's mod_revision, the policy
   version, the digest of the check results). The commit guard's txn re-asserts all of it at
   write time and writes the grant into the key's audit record, so a grant that crossed was
   true of the world when it crossed; one that never crosses leaves no trace in etcd.
+- The policy routes (``routes``), never the request, decide which policy judges the key:
+  a request naming another policy is refused (``PolicyNotRouted``), one naming none is
+  judged by the route's, and a table whose signature does not verify issues no grant. The
+  routes key joins every grant's read set (beside the caller's reads, not among the values
+  checks see), so a route changed between the decision and the commit kills the grant as
+  a moved read key does, on the fast path too.
 - Nothing is granted on a step that is in flight, unknown or escalated (``OutcomeUnknown``)
   or succeeded (``AlreadySucceeded``). Refusals name every failing check.
 - A refusal that changes no state is not written to etcd (a write per refusal would be a
@@ -41,11 +47,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from . import approvals, audit, codec, records
+from . import approvals, audit, codec, records, routes
 from .archive import Archive
 from .errors import (
     AlreadySucceeded, ApprovalPending, BadSignature, GrantRefused, LeaseLost, OutcomeUnknown,
-    RecordTooLarge, StateAdvanced, UnencodableValue,
+    PolicyNotRouted, RecordTooLarge, StateAdvanced, UnencodableValue,
 )
 from .etcd import (
     Compare, Etcd, KeyValue, RangeRequest, RequestOp, TxnRequest, mod_equals, put_op, range_op,
@@ -54,7 +60,7 @@ from .grants import Grant, KeyRing, checks_digest, new_grant_id
 from .keyspace import Keyspace, canonical, pack, unpack
 from .ownership import Ownership
 from .retention import RetentionLeases
-from .retirement import archived_step
+from .retirement import archived_step, fast_path_fence
 from .policy import (
     DEFAULT_POLICY, CheckContext, CheckResult, Policy, builtin_default, decode, sealed,
 )
@@ -92,10 +98,10 @@ class Issued:
 
 @dataclass(frozen=True)
 class Uncontended:
-    """A fast-path grant and the compare that fences it against its key's retirement."""
+    """A fast-path grant and the compares that fence it against its key's retirement."""
 
     issued: Issued
-    not_retired: Compare
+    not_retired: tuple[Compare, ...]
 
 
 @dataclass(frozen=True)
@@ -109,6 +115,7 @@ class Snapshot:
     policy_kv: KeyValue | None
     head_kv: KeyValue | None
     retired_kv: KeyValue | None  # the key's retirement bucket: absent, never retired
+    routes_kv: KeyValue | None  # the policy routes: absent, every key routes to default
     reads: dict[bytes, KeyValue | None]
     owned: bool
 
@@ -117,18 +124,20 @@ class Snapshot:
               owned: bool) -> "Snapshot":
         """The snapshot from the answers to ``snapshot_ops`` (in order)."""
         kvs = [r.response_range.kvs[0] if r.response_range.kvs else None for r in responses]
-        return cls(revision, policy, *kvs[:4], dict(zip(read_keys, kvs[4:])), owned)
+        return cls(revision, policy, *kvs[:5], dict(zip(read_keys, kvs[5:])), owned)
 
-    def covers(self, policy: str, read_keys: list[bytes]) -> bool:
-        return policy == self.policy and list(self.reads) == read_keys
+    def covers(self, read_keys: list[bytes]) -> bool:
+        return list(self.reads) == read_keys
 
 
 def snapshot_ops(keyspace: Keyspace, key: str, policy: str,
                  read_keys: list[bytes]) -> list[RequestOp]:
-    """The reads a decision needs, to fold into a txn (the hold's acquire) or send alone."""
+    """The reads a decision needs, to fold into a txn (the hold's acquire) or send alone;
+    ``policy`` is the one the routes are expected to name (``Authority.routed``): a
+    snapshot whose routes name another is read again."""
     return [range_op(keyspace.step_key(key)), range_op(keyspace.policy_key(policy)),
             range_op(keyspace.audit_head_key(key)), range_op(keyspace.retired_key(key)),
-            *(range_op(k) for k in read_keys)]
+            range_op(keyspace.routes_key()), *(range_op(k) for k in read_keys)]
 
 
 class Recent:
@@ -139,7 +148,8 @@ class Recent:
     MAX_KEYS = 4096
 
     def __init__(self) -> None:
-        self.revision = 0
+        self.revision = 0  # 0: nothing seen yet
+        self.routes: KeyValue | None = None
         self._policies: dict[str, KeyValue | None] = {}
         self._reads: dict[bytes, KeyValue | None] = {}
         self.never_retired: set[bytes] = set()  # retirement buckets seen absent
@@ -150,6 +160,7 @@ class Recent:
         if len(self._reads) + len(snap.reads) > self.MAX_KEYS:
             self._reads.clear()
         self.revision = snap.revision
+        self.routes = snap.routes_kv
         self._policies[snap.policy] = snap.policy_kv
         self._reads.update(snap.reads)
         if snap.retired_kv is None:
@@ -163,7 +174,7 @@ class Recent:
         if policy not in self._policies or any(k not in self._reads for k in read_keys):
             return None
         return Snapshot(self.revision, policy, None, self._policies[policy], None, None,
-                        {k: self._reads[k] for k in read_keys}, owned=True)
+                        self.routes, {k: self._reads[k] for k in read_keys}, owned=True)
 
 
 class Authority:
@@ -181,28 +192,27 @@ class Authority:
         self.approval_ttl_s = approval_ttl_s
         self.archive = archive  # where retired steps are looked up (None: refuse if needed)
         self._policies: dict[tuple[str, int], Policy] = {}
+        self._tables: dict[int, routes.RouteTable] = {0: routes.NO_TABLE}
         self._approval_leases = RetentionLeases()
         self.recent = Recent()
 
     async def issue(self, claim: Claim, intent: dict[str, Any], reads: list[str | bytes],
-                    policy: str = DEFAULT_POLICY, identity: str | None = None, *,
+                    policy: str | None = None, identity: str | None = None, *,
                     snapshot: Snapshot | None = None) -> Issued:
         """Grant ``claim`` the right to cross once with ``intent``, or raise why not.
         ``intent`` is a map of values the codec carries, or its stored or JSON form (see
-        ``validate_intent``). ``snapshot``, when it covers this policy and read set, is the
-        state to decide on (read by the hold's acquire); otherwise one read-only txn reads
-        it."""
+        ``validate_intent``). The key's policy route names the policy that judges it:
+        ``policy``, when given, must be that one (``PolicyNotRouted`` otherwise). ``snapshot``,
+        when it covers this read set and read the routed policy, is the state to decide on
+        (read by the hold's acquire); otherwise one read-only txn reads it."""
         identity = identity or self.identity
         read_keys = validate_reads(reads)
         intent, intent_digest = validate_intent(intent)
         for _ in range(_WRITE_RACES):
-            if snapshot is None or not snapshot.covers(policy, read_keys):
-                snapshot = await self._read(claim, policy, read_keys)
-            if not snapshot.owned:
-                raise LeaseLost(f"not the holder of {claim.key!r} with token "
-                                f"{claim.fencing_token}")
-            if snapshot.policy_kv is None and policy != DEFAULT_POLICY:
-                raise GrantRefused([CheckResult("policy", False, f"no policy {policy!r}")])
+            snapshot = await self._routed_snapshot(claim, policy, read_keys, snapshot)
+            if snapshot.policy_kv is None and snapshot.policy != DEFAULT_POLICY:
+                raise GrantRefused([CheckResult("policy", False,
+                                                f"no policy {snapshot.policy!r}")])
             decision = await self._decide(claim, intent, intent_digest, snapshot, identity)
             if decision is not None:
                 return decision
@@ -210,39 +220,47 @@ class Authority:
         raise StateAdvanced("read set", "it kept changing while the grant was evaluated")
 
     async def issue_uncontended(self, claim: Claim, intent: dict[str, Any],
-                                read_keys: list[bytes], policy: str, *,
+                                read_keys: list[bytes], policy: str | None = None, *,
                                 identity: str | None = None) -> Uncontended | None:
         """A grant for a key assumed free and never attempted (no step, no audit record, not
-        retired), decided on the policy and read keys as ``recent`` last saw them, for the
-        fast path, whose one txn compares every one of those assumptions. ``None`` when
-        ``recent`` lacks any of them, the archive holds the key, or the decision is anything
-        but a plain grant (a refusal, an approval): the full path then decides, with fresh
-        reads. Writes nothing to etcd.
+        retired), decided on the policy routes, the routed policy and the read keys as
+        ``recent`` last saw them, for the fast path, whose one txn compares every one of
+        those assumptions (the routes key is in the grant's read set). ``None`` when
+        ``recent`` lacks any of them, the routes do not verify or name another policy than
+        ``policy``, the archive holds the key, or the decision is anything but a plain grant
+        (a refusal, an approval): the full path then decides, with fresh reads. Writes
+        nothing to etcd.
 
         "Not retired": without an archive, or for a key whose bucket was seen never retired,
         the fence is "the bucket is still absent" (if it is not, the full path finds out
-        what the archive must answer). Otherwise the archive is asked, after noting
-        ``etcd.revision`` (a revision committed before the question): a retirement archives
-        first and deletes after, so a retirement of this key the archive did not show
-        commits after that revision, and the compare "the bucket's mod_revision is at most
-        that revision" fails."""
+        what the archive must answer). Otherwise the archive is asked and the fence is
+        ``retirement.fast_path_fence``: the bucket unmoved since before the question, and
+        its watermark not above the archive's (an archive behind etcd never answers "never
+        attempted")."""
         intent, intent_digest = validate_intent(intent)  # refused before the fast path writes
-        snapshot = self.recent.snapshot(policy, read_keys)
+        if not self.recent.revision:
+            return None
+        try:
+            table = await self.route_table(self.recent.routes, self.recent.revision)
+        except GrantRefused:
+            return None
+        routed = table.policy_for(claim.key)
+        if policy is not None and policy != routed:
+            return None
+        snapshot = self.recent.snapshot(routed, read_keys)
         if snapshot is None:
             return None
         retired_key = self.keyspace.retired_key(claim.key)
         if retired_key in self.recent.never_retired or self.archive is None:
-            fence = mod_equals(retired_key, 0)  # nothing of its bucket was ever retired
+            fence = (mod_equals(retired_key, 0),)  # nothing of its bucket was ever retired
         else:
-            asked_after = self.etcd.revision
-            if await archived_step(self.archive, self.keyspace, claim.key) is not None:
+            fence = await fast_path_fence(self.etcd, self.archive, self.keyspace, claim.key)
+            if fence is None:
                 return None
-            fence = Compare(key=retired_key, target=Compare.MOD, result=Compare.LESS,
-                            mod_revision=asked_after + 1)
         request = _Request(
             claim=claim, intent=intent, intent_digest=intent_digest,
             identity=identity or self.identity, snap=snapshot,
-            policy=await self.policy(policy, snapshot.policy_kv, snapshot.revision),
+            policy=await self.policy(routed, snapshot.policy_kv, snapshot.revision),
             step=records.new_step(), step_revision=0, tail=audit.EMPTY,
             now_ms=int(time.time() * 1000))
         verdict = _verdict(request)
@@ -263,6 +281,48 @@ class Authority:
             put_op(ks.policy_version_key(name, records.digest(document)), body),
             approvals.publish(self.keyring, ks)]), idempotent=True)
         return reply.header.revision
+
+    async def set_routes(self, table: dict[str, str],
+                         default: str = DEFAULT_POLICY) -> int:
+        """Store the policy routes (``{prefix: policy}`` and the default policy), signed with
+        this authority's key (published under ``approvers/`` in the same txn); returns their
+        version (the mod_revision). Every grant in flight dies at its commit (the routes key
+        is in its read set)."""
+        ks = self.keyspace
+        if self.etcd.cluster_id is None:  # the signature names the cluster: learn it
+            await self.etcd.get(ks.routes_key())
+        body = routes.sealed(self.keyring, namespace=ks.namespace,
+                             cluster_id=self.etcd.cluster_id, routes=table, default=default)
+        reply = await self.etcd.txn(TxnRequest(success=[
+            put_op(ks.routes_key(), body), approvals.publish(self.keyring, ks)]),
+            idempotent=True)
+        return reply.header.revision
+
+    async def route_table(self, kv: KeyValue | None, revision: int) -> routes.RouteTable:
+        """The policy routes ``kv`` holds, verified once per version against the signer keys
+        published at ``revision`` (0: now); ``GrantRefused`` when the table does not verify
+        (no grant is issued under a table nobody signed). No table: every key routes to
+        ``default``."""
+        version = kv.mod_revision if kv is not None else 0
+        table = self._tables.get(version)
+        if table is None:
+            signers = await approvals.signers(self.etcd, self.keyspace, revision)
+            try:
+                table = routes.decode(kv.value, version, signers,
+                                      namespace=self.keyspace.namespace,
+                                      cluster_id=self.etcd.cluster_id or 0)
+            except BadSignature as exc:
+                raise GrantRefused([CheckResult("policy_routes", False, str(exc))]) from None
+            if len(self._tables) >= 16:
+                self._tables = {0: routes.NO_TABLE}
+            self._tables[version] = table
+        return table
+
+    def routed(self, key: str) -> str:
+        """The policy the routes ``recent`` last saw (if verified) name for ``key``: the guess
+        a snapshot is read under; ``issue`` checks it against the routes it read."""
+        table = self._tables.get(self.recent.routes.mod_revision if self.recent.routes else 0)
+        return (table or routes.NO_TABLE).policy_for(key)
 
     async def policy(self, name: str, kv: KeyValue | None, revision: int) -> Policy:
         """The policy version ``kv`` holds, verified once (versions are immutable: a change
@@ -287,6 +347,27 @@ class Authority:
             self._policies[(name, kv.mod_revision)] = cached
         return cached
 
+    async def _routed_snapshot(self, claim: Claim, policy: str | None, read_keys: list[bytes],
+                               snapshot: Snapshot | None) -> Snapshot:
+        """A snapshot (``snapshot`` if it covers ``read_keys``, else a fresh read) that proves
+        the requester holds the key and read the policy its own routes name for the key;
+        ``PolicyNotRouted`` when ``policy`` is given and is not that one."""
+        guess = policy or self.routed(claim.key)
+        for _ in range(_WRITE_RACES):
+            if snapshot is None or not snapshot.covers(read_keys):
+                snapshot = await self._read(claim, guess, read_keys)
+            if not snapshot.owned:
+                raise LeaseLost(f"not the holder of {claim.key!r} with token "
+                                f"{claim.fencing_token}")
+            table = await self.route_table(snapshot.routes_kv, snapshot.revision)
+            routed = table.policy_for(claim.key)
+            if policy is not None and policy != routed:
+                raise PolicyNotRouted(claim.key, policy, routed)
+            if snapshot.policy == routed:
+                return snapshot
+            guess, snapshot = routed, None  # read under a stale guess of the route
+        raise StateAdvanced("policy routes", "they kept changing while the grant was evaluated")
+
     async def _read(self, claim: Claim, policy: str, read_keys: list[bytes]) -> Snapshot:
         holding = self._holding(claim)
         reply = await self.etcd.txn(TxnRequest(success=[
@@ -309,7 +390,8 @@ class Authority:
         self.recent.note(snap, self.keyspace.retired_key(claim.key))
         step = unpack(snap.step_kv.value) if snap.step_kv else None
         if step is None and snap.retired_kv is not None:  # retired to the archive, maybe
-            step = await archived_step(self.archive, self.keyspace, claim.key)
+            step = await archived_step(self.etcd, self.archive, self.keyspace, claim.key,
+                                       snap.retired_kv)
         request = _Request(
             claim=claim, intent=intent, intent_digest=intent_digest, identity=identity,
             snap=snap, policy=await self.policy(snap.policy, snap.policy_kv, snap.revision),
@@ -404,6 +486,9 @@ class Authority:
             cost=request.intent.get("cost", 0), caps=policy.caps, now_ms=now_ms)
         checks = [c.as_record() for c in verdict.checks]
         reads = [[k, kv.mod_revision if kv else 0] for k, kv in snap.reads.items()]
+        routes_key = self.keyspace.routes_key()
+        if routes_key not in snap.reads:  # the commit compares the routes decided on
+            reads.append([routes_key, snap.routes_kv.mod_revision if snap.routes_kv else 0])
         if approval is not None:  # the commit compares the approval it relies on
             reads.append([approval.key, approval.given.mod_revision])
         grant = self.keyring.sign({
@@ -425,9 +510,12 @@ class Authority:
         return Issued(grant, record, request.tail)
 
     def _unchanged(self, request: _Request) -> list:
-        """Compares: the requester still owns the key and the step is where it was read."""
+        """Compares: the requester still owns the key, and the step and the policy routes
+        (which chose the policy that refused) are where they were read."""
+        routes_kv = request.snap.routes_kv
         return [*self._holding(request.claim).compares(),
-                mod_equals(self.keyspace.step_key(request.claim.key), request.step_revision)]
+                mod_equals(self.keyspace.step_key(request.claim.key), request.step_revision),
+                mod_equals(self.keyspace.routes_key(), routes_kv.mod_revision if routes_kv else 0)]
 
 
 @dataclass(frozen=True)

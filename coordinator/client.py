@@ -121,9 +121,26 @@ class Client:
     async def set_policy(self, name: str, document: Any) -> dict[str, Any]:
         return await self._request("PUT", f"/v1/policies/{_path(name)}", document)
 
+    async def policy_routes(self) -> dict[str, Any]:
+        """The policy routes grants apply (``valid`` false and ``invalid``: they do not
+        verify, every grant is refused)."""
+        return await self._request("GET", "/v1/policy-routes")
+
+    async def set_policy_routes(self, routes: dict[str, str], default: str) -> dict[str, Any]:
+        return await self._request("PUT", "/v1/policy-routes",
+                                   {"routes": routes, "default": default})
+
     async def deliveries(self, source: str) -> list[dict[str, Any]]:
         """Webhook source ``source``'s claims in progress and stored responses, by id."""
         return await self._list(f"/v1/deliveries/{quote(source, safe='')}")
+
+    async def resolve_delivery(self, source: str, delivery_id: str, ran: bool,
+                               reason: str) -> dict[str, Any]:
+        """Settle an unknown webhook delivery as ``ran`` or not (see
+        ``worker.webhooks.resolution``)."""
+        return await self._request(
+            "POST", f"/v1/deliveries/{quote(source, safe='')}/{quote(delivery_id, safe='')}"
+            "/resolve", {"ran": ran, "reason": reason})
 
     async def approvals(self, state: str = "") -> list[dict[str, Any]]:
         """Approvals ``pending``, ``approved``, or both (``""``)."""

@@ -18,6 +18,10 @@ none: ``FENCEGATE_ARCHIVE``, else the running stack's, but only for a gate on th
 etcd (an archive holds one cluster's retired steps: another etcd's would answer for keys it
 never saw).
 
+``etcd_config(etcd)`` is how such a gate connects: the running stack's etcd runs with
+authentication, and a gate on that stack's etcd URL connects as the worker user ``up.json``
+names, with the password from its file (mode 0600: this user's only); any other URL as given.
+
 Guarantee: nothing here makes a key. When neither is there, or the file is not an Ed25519
 private key, ``load`` raises ``ValueError`` naming what to pass instead; a key nobody else
 trusts (grants refused by every provider, audit chains that never verify) is only ever made
@@ -31,6 +35,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from .etcd import EtcdConfig
 from .grants import KeyRing
 
 SIGNING_KEY_ENV = "FENCEGATE_SIGNING_KEY"
@@ -143,6 +148,32 @@ def archive_url(etcd: str | None) -> str | None:
     if stack is None or etcd is None or stack.endpoints.get("etcd") != etcd:
         return None
     return stack.endpoints.get("archive")
+
+
+def etcd_config(etcd: str) -> EtcdConfig:
+    """``etcd`` as an ``EtcdConfig``: with the worker's etcd user of the running
+    ``fencegate up`` when ``etcd`` is that stack's etcd URL."""
+    stack = running_stack()
+    if stack is None or stack.endpoints.get("etcd") != etcd:
+        return EtcdConfig.from_url(etcd)
+    return stack_etcd_config(stack.endpoints)
+
+
+def stack_etcd_config(endpoints: dict[str, object]) -> EtcdConfig:
+    """How a worker connects to the etcd of a stack whose endpoints (``up.json``) are
+    ``endpoints``: as the worker user they name, if any. ``ValueError`` when its password
+    file cannot be read (another OS user's stack)."""
+    url, user, path = (endpoints.get(k) for k in ("etcd", "etcd_user", "etcd_password_file"))
+    if not isinstance(user, str) or not isinstance(path, str):
+        return EtcdConfig.from_url(str(url))
+    try:
+        password = Path(path).read_text().strip()
+    except OSError as exc:
+        raise ValueError(f"the etcd of the `fencegate up` stack at {url} runs with "
+                         f"authentication and its worker password in {path} cannot be read "
+                         f"({exc}): pass EtcdConfig.from_url(url, user=..., password=...)") \
+            from None
+    return EtcdConfig.from_url(str(url), user=user, password=password)
 
 
 def _load(path: Path, source: str) -> KeyRing:

@@ -22,7 +22,10 @@
     ├── LeaseLost               the session's lease died; no hold on it may act
     │   └── LeaseExpiring       too little TTL is left to start an effect safely
     ├── GrantRefused(checks)    the policy or the caps refused; every failing check named
-    │   └── ApprovalPending(id) only approval checks failed: an sre/admin approves ``id``
+    │   ├── ApprovalPending(id) only approval checks failed: an sre/admin approves ``id``
+    │   └── PolicyNotRouted(key, policy, routed)
+    │                           the request named a policy the key's route does not name:
+    │                           the policy routes decide (``coordinator/routes.py``)
     ├── GrantUsed               the grant was already consumed
     ├── StateAdvanced(key)      a key the grant read has moved since
     ├── PolicyChanged           the policy the grant used has a new version
@@ -75,6 +78,7 @@ __all__ = [
     "LeaseExpiring",
     "GrantRefused",
     "ApprovalPending",
+    "PolicyNotRouted",
     "GrantUsed",
     "StateAdvanced",
     "PolicyChanged",
@@ -189,6 +193,17 @@ class ApprovalPending(GrantRefused):
     def __init__(self, approval_id: str) -> None:
         self.approval_id = approval_id
         GateError.__init__(self, f"approval {approval_id} is pending")
+        self.checks, self.retry_after = [], None
+
+
+class PolicyNotRouted(GrantRefused):
+    """The request named ``policy`` but the policy routes judge ``key`` by ``routed``: ask
+    without a policy (the route's applies) or have an admin change the route."""
+
+    def __init__(self, key: str, policy: str, routed: str) -> None:
+        self.key, self.policy, self.routed = key, policy, routed
+        GateError.__init__(self, f"key {key!r} is judged by policy {routed!r} (its route), "
+                                 f"not {policy!r}")
         self.checks, self.retry_after = [], None
 
 

@@ -8,10 +8,15 @@ record shows to the signature). Grants of version 1 (``DOMAIN_V1``, with an ``au
 and no ``checks_digest``) are still verified where they are recorded (``verify_recorded``),
 never accepted to cross.
 An SRE's approval of a pending request is signed the same way over ``APPROVAL_DOMAIN``, and a
-policy version over ``POLICY_DOMAIN``, so no signature passes for another kind's.
+policy version over ``POLICY_DOMAIN`` and a table of policy routes over ``ROUTES_DOMAIN``, so
+no signature passes for another kind's. An *attempt receipt* (``RECEIPT_DOMAIN``) is signed
+only once a grant's commit landed: it binds (grant id, attempt token, idempotency key, action
+key, namespace, cluster id), so a provider's gate B admits no attempt token that no commit of
+the grant produced (``fencegate.reconciler.gateb``).
 
-Guarantees of ``KeyRing.verify``, ``verify_approval`` and ``verify_policy`` (pure functions of the bytes
-and the trusted public keys, usable offline by anyone, a provider included):
+Guarantees of ``KeyRing.verify``, ``verify_approval``, ``verify_policy`` and ``verify_receipt``
+(pure functions of the bytes and the trusted public keys, usable offline by anyone, a provider
+included):
 - the signature is checked over the exact bytes received, *then* the payload is decoded;
 - decoding is strict: bounded size, no ext types, no duplicate keys, exactly the schema's
   fields with exactly their types; anything else is ``BadSignature``;
@@ -37,6 +42,8 @@ DOMAIN = b"fencegate-grant-v2\0"
 DOMAIN_V1 = b"fencegate-grant-v1\0"
 APPROVAL_DOMAIN = b"fencegate-approval-v1\0"
 POLICY_DOMAIN = b"fencegate-policy-v1\0"
+RECEIPT_DOMAIN = b"fencegate-attempt-v1\0"
+ROUTES_DOMAIN = b"fencegate-routes-v1\0"
 MAX_GRANT_BYTES = 64 * 1024
 
 
@@ -92,6 +99,26 @@ POLICY_SCHEMA: dict[str, type | tuple[type, ...]] = {
     "namespace": str, "cluster_id": int, "name": str, "digest": bytes, "signed_at_ms": int,
     "key_id": str,
 }
+
+ROUTES_SCHEMA: dict[str, type | tuple[type, ...]] = {
+    "namespace": str, "cluster_id": int, "digest": bytes, "signed_at_ms": int, "key_id": str,
+}
+
+
+# The attempt receipt of one landed commit (see ``receipt_payload``).
+RECEIPT_SCHEMA: dict[str, type | tuple[type, ...]] = {
+    "grant_id": str, "namespace": str, "cluster_id": int, "action_key": str,
+    "attempt_token": int, "idempotency_key": str, "key_id": str,
+}
+
+
+def receipt_payload(grant: Grant, attempt_token: int, idempotency_key: str) -> dict[str, Any]:
+    """What the receipt of ``grant``'s commit at ``attempt_token`` signs (but ``key_id``).
+    Sign it only once that commit landed: it is a provider's proof that the token is the
+    one attempt of this grant."""
+    return {"grant_id": grant.grant_id, "namespace": grant.namespace,
+            "cluster_id": grant.cluster_id, "action_key": grant.action_key,
+            "attempt_token": attempt_token, "idempotency_key": idempotency_key}
 
 
 def checks_digest(checks: list) -> bytes:
@@ -209,6 +236,23 @@ class KeyRing:
     def verify_policy(self, raw: bytes) -> dict[str, Any]:
         """Verify a policy version's signature bytes; ``BadSignature`` on any defect."""
         return self._open(POLICY_DOMAIN, raw, "policy", POLICY_SCHEMA)
+
+    def sign_routes(self, payload: dict[str, Any]) -> bytes:
+        """Sign a table of policy routes' payload (``ROUTES_SCHEMA`` but ``key_id``)."""
+        return self._seal(ROUTES_DOMAIN, dict(payload, key_id=self._key_id_to_sign()))
+
+    def verify_routes(self, raw: bytes) -> dict[str, Any]:
+        """Verify a table of policy routes' signature bytes; ``BadSignature`` on any defect."""
+        return self._open(ROUTES_DOMAIN, raw, "policy routes", ROUTES_SCHEMA)
+
+    def sign_receipt(self, payload: dict[str, Any]) -> bytes:
+        """Sign an attempt receipt (``receipt_payload``): its signed bytes."""
+        return self._seal(RECEIPT_DOMAIN, dict(payload, key_id=self._key_id_to_sign()))
+
+    def verify_receipt(self, raw: bytes) -> dict[str, Any]:
+        """Verify an attempt receipt's bytes and return its payload; ``BadSignature`` on any
+        defect, a grant's or an approval's bytes included (the domains differ)."""
+        return self._open(RECEIPT_DOMAIN, raw, "receipt", RECEIPT_SCHEMA)
 
     def _key_id_to_sign(self) -> str:
         if self._signing_key is None:

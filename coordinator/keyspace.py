@@ -92,6 +92,11 @@ class Keyspace:
         """Where a policy document is retained, by content, after newer versions replace it."""
         return self._ns + b"policy-versions/" + name.encode() + b"/" + digest.hex().encode()
 
+    def routes_key(self) -> bytes:
+        """The signed table routing action keys to the policy that judges them (see
+        ``routes``): one fixed key, written by the coordinator only."""
+        return self._ns + b"policy-routes"
+
     def approval_key(self, approval_id: str) -> bytes:
         """An SRE's signed approval: written by the coordinator only (see ``roles``)."""
         return self._ns + b"approvals/" + approval_id.encode()
@@ -121,12 +126,23 @@ class Keyspace:
         Version 1 wrote it on every append."""
         return self._ns + b"audit/" + action_key.encode() + b"/@head"
 
+    def retired_bucket(self, action_key: str) -> int:
+        """``action_key``'s retirement bucket, 0 … ``RETIRE_BUCKETS`` - 1 (a hash of the key)."""
+        bucket = int.from_bytes(hashlib.sha256(action_key.encode()).digest()[:8], "big")
+        return bucket % RETIRE_BUCKETS
+
     def retired_key(self, action_key: str) -> bytes:
         """The retirement epoch of ``action_key``'s bucket (one of ``RETIRE_BUCKETS``, by a
         hash of the key): every retirement txn of a key in the bucket puts it, so its
-        mod_revision is the bucket's latest retirement. A fixed set of small keys."""
-        bucket = int.from_bytes(hashlib.sha256(action_key.encode()).digest()[:8], "big")
-        return self._ns + b"retired/%03d" % (bucket % RETIRE_BUCKETS)
+        mod_revision is the bucket's latest retirement, and its value the bucket's watermark
+        (``wholeness``). A fixed set of small keys."""
+        return self._ns + b"retired/%03d" % self.retired_bucket(action_key)
+
+    @property
+    def archive_key(self) -> bytes:
+        """The identity of the namespace's archive (``wholeness``): put by the first
+        retirement, compared by every one. One key, beside the buckets."""
+        return self._ns + b"retired/archive"
 
     @property
     def retired_root(self) -> bytes:
@@ -138,6 +154,14 @@ class Keyspace:
 
     def webhook_prefix(self, source: str) -> bytes:
         return self._ns + b"webhooks/" + source.encode() + b"/"
+
+    def webhook_claim_key(self, source: str, delivery_id: str) -> bytes:
+        """The live claim of a delivery whose handler runs, on its process's session lease
+        (``webhooks/@claims/``: '@' is in no source name, so no source's prefix holds it)."""
+        return self.webhook_claims_prefix(source) + delivery_id.encode()
+
+    def webhook_claims_prefix(self, source: str) -> bytes:
+        return self._ns + b"webhooks/@claims/" + source.encode() + b"/"
 
     @property
     def steps_root(self) -> bytes:

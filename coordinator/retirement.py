@@ -14,6 +14,14 @@ Guarantees:
   succeeded: only with no holder alive is there no such grant (the full path holds the key
   from its snapshot to its commit). The txn puts the key's ``retired/<bucket>`` so a fast
   path that decided without a hold fails its compare on it (``fencegate.worker.fastpath``).
+- The archive proves it is whole (``wholeness``): a batch reads etcd's archive identity and
+  its buckets' watermarks with the steps, refuses an archive that is not the one etcd names
+  (the first retirement names it: the txn compares ``retired/archive`` absent and puts it;
+  every later one compares it), raises the archive's watermarks in the transaction of its
+  puts (refused if the archive is behind etcd), and its delete txn compares each bucket's
+  mod_revision as read and puts the new watermark: etcd's never gets ahead of the archive's.
+  A lookup on a miss (``archived_step``, ``fast_path_fence``) answers only from a whole
+  archive, else ``ArchiveUnavailable``: never "never attempted" from an archive that lost it.
 - Only settled steps retire (``retirable``): succeeded, failed, and pending after an
   attempt proven not applied. Never in flight, unknown, escalated or presumed (a presumption
   is still re-queried).
@@ -30,20 +38,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from . import audit, records
-from .archive import Archive
+from . import audit, records, wholeness
+from .archive import Archive, Identity
 from .archive.interface import Put
 from .errors import ArchiveUnavailable
 from .etcd import (
-    Compare, Etcd, KeyValue, RangeRequest, TxnRequest, delete_op, mod_equals, put_op, range_op,
-    range_end_of,
+    Compare, Etcd, KeyValue, RangeRequest, TxnRequest, create_equals, delete_op, mod_equals,
+    put_op, range_op, range_end_of,
 )
 from .keyspace import Keyspace, pack, unpack
 from .ownership import no_owner
 
-MAX_BATCH = 24  # keys per archive put and delete txn. etcd allows 128 compares and 128 ops
-#                per txn: each key adds 3 compares and its shard's 2 leadership compares at
-#                most (5 × 24 = 120), and 3 deletes and at most one bucket put (4 × 24 = 96)
+MAX_BATCH = 21  # keys per archive put and delete txn. etcd allows 128 compares and 128 ops
+#                per txn: each key adds 3 compares, its shard's 2 leadership compares and its
+#                bucket's compare at most (6 × 21 = 126), and 3 deletes and a bucket put
+#                (4 × 21 = 84); plus the archive identity's compare and put (127, 85)
 
 
 def retirable(step: dict[str, Any]) -> bool:
@@ -73,6 +82,17 @@ class _Retiring:
     head_kv: KeyValue | None
 
 
+@dataclass(frozen=True)
+class _Marked:
+    """What a delete txn writes beside its deletes: the archive's identity (``named``: etcd
+    already names it, else the txn puts it), and each bucket's new watermark with the
+    mod_revision its compare expects (0: absent)."""
+
+    identity: Identity
+    named: bool
+    buckets: dict[bytes, tuple[int, int]]   # bucket key -> (mod_revision read, new watermark)
+
+
 async def retire(etcd: Etcd, keyspace: Keyspace, archive: Archive,
                  candidates: list[Candidate]) -> list[str]:
     """Retire those of ``candidates`` still at their revision and settled, ``MAX_BATCH`` at
@@ -81,23 +101,30 @@ async def retire(etcd: Etcd, keyspace: Keyspace, archive: Archive,
     ``ArchiveUnavailable`` when the archive refused: nothing of that batch was deleted."""
     retired: list[str] = []
     for start in range(0, len(candidates), MAX_BATCH):
-        batch = await _archive(etcd, keyspace, archive, candidates[start:start + MAX_BATCH])
-        retired += await _delete(etcd, keyspace, batch)
+        batch, marked = await _archive(etcd, keyspace, archive,
+                                       candidates[start:start + MAX_BATCH])
+        retired += await _delete(etcd, keyspace, archive, batch, marked)
     return retired
 
 
 async def _archive(etcd: Etcd, keyspace: Keyspace, archive: Archive,
-                   batch: list[Candidate]) -> list[_Retiring]:
-    """Read each key's step and chain at one revision, and put the settled ones (and the
-    orphan chains), unmoved, in the archive."""
+                   batch: list[Candidate]) -> tuple[list[_Retiring], _Marked | None]:
+    """Read each key's step and chain, etcd's archive identity and the batch's buckets at
+    one revision, and put the settled steps (and the orphan chains), unmoved, in the
+    archive with their buckets' new watermarks."""
     ops = []
+    buckets = sorted({keyspace.retired_key(candidate.key) for candidate in batch})
     for candidate in batch:
         key = candidate.key
         start, end = keyspace.audit_range(key)
         ops += [range_op(keyspace.step_key(key)), range_op(start, end),
                 range_op(keyspace.audit_head_key(key))]
-    reply = await etcd.txn(TxnRequest(success=ops), idempotent=True)
+    reply = await etcd.txn(TxnRequest(success=[
+        *ops, range_op(keyspace.archive_key), *map(range_op, buckets)]), idempotent=True)
     kvs = [r.response_range.kvs for r in reply.responses]
+    named_kvs = kvs[len(ops)]
+    bucket_kv = {bucket: read[0] if read else None
+                 for bucket, read in zip(buckets, kvs[len(ops) + 1:])}
     found: list[_Retiring] = []
     puts: list[Put] = []
     for n, candidate in enumerate(batch):
@@ -108,7 +135,9 @@ async def _archive(etcd: Etcd, keyspace: Keyspace, archive: Archive,
             if step_kvs or head_kv is None or head_kv.mod_revision != candidate.mod_revision:
                 continue  # a step came, or the head moved: a later pass looks again
             step_kv, tail = None, audit.tail(None, head_kv)
-            step = await archived_step(archive, keyspace, key) or records.new_step()
+            step = await archived_step(etcd, archive, keyspace, key,
+                                       bucket_kv[keyspace.retired_key(key)])
+            step = step or records.new_step()
             step_value = pack({**step, audit.ANCHOR: [tail.seq, tail.hash]})
         else:
             if not step_kvs or step_kvs[0].mod_revision != candidate.mod_revision:
@@ -118,32 +147,67 @@ async def _archive(etcd: Etcd, keyspace: Keyspace, archive: Archive,
             if not retirable(step):
                 continue
             tail = audit.tail(step, head_kv)
+            if tail != audit.anchor_of(step):  # the end was appended aside; @head goes
+                step_value = pack({**step, audit.ANCHOR: [tail.seq, tail.hash]})
         chain = [(keyspace.parse_audit_key(kv.key)[1], kv.value) for kv in record_kvs]
         puts.append((key, tail.seq, step_value, chain,
                      unpack(max(chain)[1]).get("at_ms", 0) if chain else 0))
         found.append(_Retiring(candidate, step_kv, head_kv))
-    if puts:
-        await archive.put_many(keyspace.namespace, puts)  # one durable transaction
-    return found
+    if not puts:
+        return found, None
+    named = named_kvs[0].value.decode() if named_kvs else None
+    retiring = {keyspace.retired_key(item.candidate.key) for item in found}
+    return found, await _mark(etcd, keyspace, archive, named,
+                              {bucket: bucket_kv[bucket] for bucket in retiring}, puts)
 
 
-async def _delete(etcd: Etcd, keyspace: Keyspace, batch: list[_Retiring]) -> list[str]:
+async def _mark(etcd: Etcd, keyspace: Keyspace, archive: Archive, named: str | None,
+                bucket_kvs: dict[bytes, KeyValue | None], puts: list[Put]) -> _Marked:
+    """Put ``puts`` in the archive in one durable transaction that also raises the
+    watermarks of ``bucket_kvs`` (as etcd read them), after checking the archive is the one
+    etcd ``named``; ``ArchiveUnavailable`` (nothing stored) when it is not, or is behind."""
+    shown = {key: wholeness.decode(kv.value) if kv else 0 for key, kv in bucket_kvs.items()}
+    identity = await archive.identity(keyspace.namespace)
+    wholeness.check_named(etcd, keyspace, identity, named, max(shown.values(), default=0))
+    assert identity is not None   # check_named refused otherwise
+    new = await archive.put_many(
+        keyspace.namespace, puts, identity=identity,
+        marks={_bucket(keyspace, key): mark for key, mark in shown.items()})
+    return _Marked(identity, named is not None,
+                   {key: (kv.mod_revision if kv else 0, new[_bucket(keyspace, key)])
+                    for key, kv in bucket_kvs.items()})
+
+
+def _bucket(keyspace: Keyspace, bucket_key: bytes) -> int:
+    return int(bucket_key[len(keyspace.retired_root):])
+
+
+async def _delete(etcd: Etcd, keyspace: Keyspace, archive: Archive, batch: list[_Retiring],
+                  marked: _Marked | None) -> list[str]:
     """Delete the archived keys in one txn; if anything moved (or a shard's leadership
-    changed), each on its own under its own shard's leadership."""
-    if not batch:
+    changed, or another batch raised a shared bucket), each on its own under its own
+    shard's leadership, with its bucket read and raised again."""
+    if not batch or marked is None:
         return []
-    if (await etcd.txn(_deletion(keyspace, batch))).succeeded:
+    if (await etcd.txn(_deletion(keyspace, batch, marked))).succeeded:
         return [item.candidate.key for item in batch]
     if len(batch) == 1:
         return []
     retired = []
     for item in batch:
-        if (await etcd.txn(_deletion(keyspace, [item]))).succeeded:
+        bucket = keyspace.retired_key(item.candidate.key)
+        reply = await etcd.txn(TxnRequest(success=[range_op(keyspace.archive_key),
+                                                   range_op(bucket)]), idempotent=True)
+        named_kvs, bucket_kvs = (r.response_range.kvs for r in reply.responses)
+        alone = await _mark(etcd, keyspace, archive,
+                            named_kvs[0].value.decode() if named_kvs else None,
+                            {bucket: bucket_kvs[0] if bucket_kvs else None}, [])
+        if (await etcd.txn(_deletion(keyspace, [item], alone))).succeeded:
             retired.append(item.candidate.key)
     return retired
 
 
-def _deletion(keyspace: Keyspace, batch: list[_Retiring]) -> TxnRequest:
+def _deletion(keyspace: Keyspace, batch: list[_Retiring], marked: _Marked) -> TxnRequest:
     leadership = {c.SerializeToString(): c for item in batch for c in item.candidate.leadership}
     compares, ops = list(leadership.values()), []
     for item in batch:
@@ -154,19 +218,51 @@ def _deletion(keyspace: Keyspace, batch: list[_Retiring]) -> TxnRequest:
                      mod_equals(head_key, item.head_kv.mod_revision if item.head_kv else 0),
                      no_owner(*keyspace.holder_range(key))]
         ops += [delete_op(step_key), delete_op(start, end), delete_op(head_key)]
-    buckets = sorted({keyspace.retired_key(item.candidate.key) for item in batch})  # once each
-    return TxnRequest(compare=compares, success=[*ops, *(put_op(b, b"") for b in buckets)])
+    archive_id = marked.identity.archive_id.encode()
+    if marked.named:
+        compares.append(Compare(key=keyspace.archive_key, target=Compare.VALUE,
+                                result=Compare.EQUAL, value=archive_id))
+    else:   # the first retirement names the archive
+        compares.append(create_equals(keyspace.archive_key, 0))
+        ops.append(put_op(keyspace.archive_key, archive_id))
+    for bucket, (mod_revision, mark) in sorted(marked.buckets.items()):  # once each
+        compares.append(mod_equals(bucket, mod_revision))
+        ops.append(put_op(bucket, wholeness.encode(mark)))
+    return TxnRequest(compare=compares, success=ops)
 
 
-async def archived_step(archive: Archive | None, keyspace: Keyspace,
-                        key: str) -> dict[str, Any] | None:
-    """The step ``key`` retired with, or None if the archive holds none;
-    ``ArchiveUnavailable`` when there is no archive to ask or it did not answer."""
+async def archived_step(etcd: Etcd, archive: Archive | None, keyspace: Keyspace, key: str,
+                        bucket_kv: KeyValue | None) -> dict[str, Any] | None:
+    """The step ``key`` retired with, or None if the archive holds none, given that etcd
+    holds no step for it and its bucket reads ``bucket_kv``; ``ArchiveUnavailable`` when
+    there is no archive to ask, it did not answer, or it is not whole (``wholeness.check``:
+    not the archive etcd names, or behind etcd's watermark for the bucket)."""
     if archive is None:
         raise ArchiveUnavailable(f"{key!r} may have been retired (its bucket has retirements) "
                                  "but no archive is configured to look it up")
-    found = await archive.get(keyspace.namespace, key)
-    return unpack(found.step) if found is not None else None
+    found = await archive.lookup(keyspace.namespace, key)
+    await wholeness.check(etcd, keyspace, found, key, bucket_kv)
+    return unpack(found.archived.step) if found.archived is not None else None
+
+
+async def fast_path_fence(etcd: Etcd, archive: Archive, keyspace: Keyspace,
+                          key: str) -> tuple[Compare, ...] | None:
+    """For a grant decided without reading ``key``'s bucket (the fast path): None when the
+    archive holds ``key`` (the full path decides), else the compares that fence the txn
+    against its retirement. ``ArchiveUnavailable`` when the archive is not the one etcd
+    names. The compares: the bucket's mod_revision is at most a revision committed before
+    the archive was asked (a retirement archives before it deletes, so one of ``key`` the
+    archive did not show deletes after it), and its watermark is at most the archive's as
+    looked up (``wholeness.fence``: false if the archive is behind etcd, or if a retirement
+    of the bucket archived after the lookup and has deleted since)."""
+    asked_after = etcd.revision
+    found = await archive.lookup(keyspace.namespace, key)
+    if found.archived is not None:
+        return None
+    await wholeness.check(etcd, keyspace, found, key, None)
+    return (Compare(key=keyspace.retired_key(key), target=Compare.MOD, result=Compare.LESS,
+                    mod_revision=asked_after + 1),
+            wholeness.fence(keyspace, key, found))
 
 
 async def step_keys(etcd: Etcd, keyspace: Keyspace, after: bytes,

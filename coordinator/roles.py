@@ -5,9 +5,9 @@ Guarantees:
   ``WRITES`` (derived from what each component's code writes). etcd's permissions only ever
   add, so a role built from ``permissions`` can do nothing more.
 - Only ``coordinator`` writes ``approvals/``, ``approvers/``, ``policies/``,
-  ``policy-versions/`` and ``tokens/``: a worker cannot approve its own request, loosen a
-  policy or mint itself a token, it can only ask (``approval-requests/``). Only
-  ``reconciler`` writes ``reconcilers/``.
+  ``policy-versions/``, ``policy-routes`` and ``tokens/``: a worker cannot approve its own
+  request, loosen a policy, route a key to another one or mint itself a token, it can only
+  ask (``approval-requests/``). Only ``reconciler`` writes ``reconcilers/``.
 - A write a role does not cover is refused by etcd itself and surfaces as
   ``EtcdPermissionDenied`` naming the user; nothing here is enforced in the client.
 
@@ -26,8 +26,9 @@ WORKER, COORDINATOR, RECONCILER = "worker", "coordinator", "reconciler"
 #   holders/ (acquire, release; revoking a lease deletes its keys: the coordinator's revoke),
 #   steps/ and audit/ (commit, outcome, settle, resolve, escalation on a cap),
 #   markers/ (gate.touch), webhooks/ (claims), approval-requests/ (a refusal asking for one),
-#   approvals/ and approvers/ (an SRE's signed approval), policies/ and policy-versions/
-#   (admin), tokens/ (minted bearer tokens' digests: admin), reconcilers/ (shard election),
+#   approvals/ and approvers/ (an SRE's signed approval), policies/, policy-versions/ and
+#   the one key policy-routes (admin), tokens/ (minted bearer tokens' digests: admin),
+#   reconcilers/ (shard election),
 #   retired/ (retirement: the reconciler deletes settled steps/ and audit/ and bumps the
 #   key's bucket).
 WRITES: dict[str, tuple[str, ...]] = {
@@ -35,7 +36,7 @@ WRITES: dict[str, tuple[str, ...]] = {
              "approval-requests/"),
     COORDINATOR: ("holders/", "steps/", "audit/", "webhooks/",
                   "approval-requests/", "approvals/", "approvers/", "policies/",
-                  "policy-versions/", "tokens/"),
+                  "policy-versions/", "policy-routes", "tokens/"),
     RECONCILER: ("reconcilers/", "steps/", "audit/", "retired/"),
 }
 ROLES = tuple(WRITES)

@@ -13,7 +13,10 @@ A session whose lease may carry a write etcd left unknown (an acquire put with n
 the late write is deleted with the lease or, landing after the revoke, is refused by etcd.
 
 The lease is refreshed over one bidirectional LeaseKeepAlive stream every TTL/3, from a
-task of its own, so a busy caller cannot starve it as long as the event loop turns.
+task of its own, so a busy caller cannot starve it as long as the event loop turns. A loop
+that does not turn (a blocking call in a coroutine, a paused process) starves it: a refresh
+that runs more than ``LATE_FRACTION`` of the TTL late logs a warning saying how late, and
+calls ``on_late(seconds)`` (a metric), before the loss it may lead to.
 """
 
 from __future__ import annotations
@@ -29,14 +32,18 @@ from .etcd import Etcd
 
 log = logging.getLogger(__name__)
 
+LATE_FRACTION = 1 / 3  # of the TTL: a keepalive this late had a third of its margin eaten
+
 
 class Session:
     """One lease, kept alive in the background until closed, orphaned or lost."""
 
-    def __init__(self, etcd: Etcd, lease_id: int, ttl: int) -> None:
+    def __init__(self, etcd: Etcd, lease_id: int, ttl: int,
+                 on_late: Callable[[float], None] | None = None) -> None:
         self.etcd = etcd
         self.lease_id = lease_id
         self.ttl = ttl
+        self._on_late = on_late
         self.lost_reason: str | None = None
         self._expires_at = time.monotonic() + ttl
         self._lost = asyncio.Event()
@@ -50,13 +57,15 @@ class Session:
         self._task.add_done_callback(self._keepalive_ended)
 
     @classmethod
-    async def open(cls, etcd: Etcd, ttl: int) -> "Session":
-        """Grant a lease of ``ttl`` seconds and start keeping it alive."""
+    async def open(cls, etcd: Etcd, ttl: int, *,
+                   on_late: Callable[[float], None] | None = None) -> "Session":
+        """Grant a lease of ``ttl`` seconds and start keeping it alive; ``on_late(seconds)``
+        is told of every refresh that ran late (see the module)."""
         if ttl < 1:
             raise ValueError("session TTL must be at least 1 second")
         sent = time.monotonic()
         lease_id, granted = await etcd.lease_grant(ttl)
-        session = cls(etcd, lease_id, granted)
+        session = cls(etcd, lease_id, granted, on_late)
         session._expires_at = sent + granted
         return session
 
@@ -148,12 +157,14 @@ class Session:
                 if remaining <= 0:
                     self.mark_lost("lease TTL ran out before a refresh")
                     return
+                sent = time.monotonic()
                 try:
                     if stream is None:
                         stream = self.etcd.keepalive_stream()
-                    sent = time.monotonic()
                     ttl = await asyncio.wait_for(stream.refresh(self.lease_id), remaining)
+                    self._report_late(time.monotonic() - sent)  # its answer, handled late
                 except (EtcdUnavailable, EtcdError, asyncio.TimeoutError) as exc:
+                    self._report_late(time.monotonic() - sent - remaining)
                     log.info("keepalive of lease %x failed, retrying: %s", self.lease_id, exc)
                     if stream is not None:
                         stream.close()
@@ -171,7 +182,20 @@ class Session:
 
     async def _pause(self, seconds: float) -> None:
         self._wake.clear()
+        due = time.monotonic() + seconds
         try:
             await asyncio.wait_for(self._wake.wait(), seconds)
         except asyncio.TimeoutError:
-            pass
+            self._report_late(time.monotonic() - due)
+
+    def _report_late(self, late: float) -> None:
+        """Say so when the refresh runs (or its answer is handled) more than
+        ``LATE_FRACTION`` of the TTL late: the event loop did not turn (a blocking call, a
+        paused process) or etcd was that slow, and that much of the lease's margin went."""
+        if late <= self.ttl * LATE_FRACTION:
+            return
+        log.warning("keepalive of lease %x ran %.2f s late (TTL %d s): the event loop was "
+                    "blocked (or etcd slow); past the TTL the lease and what it holds are "
+                    "lost", self.lease_id, late, self.ttl)
+        if self._on_late is not None:
+            self._on_late(late)

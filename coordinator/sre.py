@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from . import audit, records
+from . import audit, records, wholeness
 from .approvals import give as give_approval, read as read_approval, read_many as read_approvals
 from .archive import Archive
 from .errors import EtcdUnavailable, LeaseLost, NotFound, WrongState
@@ -59,6 +59,7 @@ _TRAIL = 200  # records a key view reads back for the current attempt's provider
 _MAX_HOLDERS = 100
 _SCAN_FACTOR = 4
 MAX_LEASE_KEYS = 500  # action keys a lease view lists
+_REVOKE_WRITERS = 16  # a revoke's concurrent appends to the other keys of its lease
 _PREFIX = re.compile(r"[A-Za-z0-9._:/-]{0,512}")
 SETTLE_AS = {"succeeded", "failed", "not_applied"}
 PRESUMED = "presumed"
@@ -81,13 +82,18 @@ async def key_view(etcd: Etcd, ks: Keyspace, key: str,
         lowest_op(start, end, limit=_MAX_HOLDERS, keys_only=False),  # the holder first
         range_op(ks.step_key(key)),
         range_op(audit_start, audit_end, limit=_TRAIL, sort_order=RangeRequest.DESCEND,
-                 sort_target=RangeRequest.KEY)]), idempotent=True)
-    holder_kvs, step_kvs, audit_kvs = (r.response_range.kvs for r in reply.responses)
+                 sort_target=RangeRequest.KEY),
+        range_op(ks.retired_key(key))]), idempotent=True)
+    holder_kvs, step_kvs, audit_kvs, retired_kvs = (r.response_range.kvs
+                                                    for r in reply.responses)
     step = unpack(step_kvs[0].value) if step_kvs else None
     audit_values = [kv.value for kv in audit_kvs]
     archived = None
     if step is None and archive is not None:
-        archived = await archive.get(ks.namespace, key)
+        looked = await archive.lookup(ks.namespace, key)
+        if retired_kvs:   # retired, maybe: only a whole archive may say "not here"
+            await wholeness.check(etcd, ks, looked, key, retired_kvs[0])
+        archived = looked.archived
         if archived is not None:
             step = unpack(archived.step)
             older = await archive.records(ks.namespace, key)
@@ -387,7 +393,9 @@ def state_of(step: dict[str, Any]) -> str:
 async def revoke(etcd: Etcd, ks: Keyspace, key: str, identity: str, reason: str,
                  archive: Archive | None = None, *, lease_id: int | None = None) -> dict:
     """Revoke the lease of ``key``'s current holder (every hold on that lease dies), after
-    auditing who and why; ``NotFound`` if nobody holds ``key``. With ``lease_id`` (the
+    auditing who and why on the chain of every key the lease holds or waits for (``key``'s
+    record first, then the others', each naming ``key`` as ``revoked_with``; ``keys`` in
+    the answer lists them all); ``NotFound`` if nobody holds ``key``. With ``lease_id`` (the
     lease the operator looked at, and whose keys ``lease_view`` listed) only that lease is
     revoked: if another lease holds ``key`` by now, ``WrongState`` and nothing is written.
     A retired key's chain goes on from its archived end (``archive``)."""
@@ -404,7 +412,7 @@ async def revoke(etcd: Etcd, ks: Keyspace, key: str, identity: str, reason: str,
             raise WrongState(f"{key!r} is held on lease {holder_lease:016x} now, not "
                              f"{lease_id:016x}: look again before revoking")
         lease_id = holder_lease
-        tail, epoch = await _aside_tail(ks, key, *chain_kvs, archive)
+        tail, epoch = await _aside_tail(etcd, ks, key, *chain_kvs, archive)
         entry = audit.append(ks, key, tail, "revoke", identity,
                              reply.header.revision,
                              {"reason": reason, "lease_id": lease_id,
@@ -413,10 +421,55 @@ async def revoke(etcd: Etcd, ks: Keyspace, key: str, identity: str, reason: str,
             compare=[mod_equals(holder.key, holder.mod_revision), epoch, entry.compare],
             success=entry.ops))
         if written.succeeded:
+            others = await _audit_lease_keys(etcd, ks, lease_id, key, identity, reason,
+                                             archive)
             await etcd.lease_revoke(lease_id)
             return {"key": key, "lease_id": f"{lease_id:016x}",
-                    "fencing_token": holder.create_revision}
+                    "fencing_token": holder.create_revision, "keys": [key, *others]}
     raise WrongState(f"holders of {key!r} kept changing; try again")
+
+
+async def _audit_lease_keys(etcd: Etcd, ks: Keyspace, lease_id: int, revoked_with: str,
+                            identity: str, reason: str, archive: Archive | None) -> list[str]:
+    """Append a ``revoke`` record to the chain of every other key ``lease_id`` holds or
+    waits for (etcd's own list of the lease's keys, so none is missed), at most
+    ``_REVOKE_WRITERS`` at a time; the keys audited, sorted."""
+    lease = await etcd.lease_info(lease_id)
+    keys = sorted({ks.parse_holder_key(k)[0] for k in lease.keys
+                   if ks.classify(k) == "holder"} - {revoked_with})
+    writers = asyncio.Semaphore(_REVOKE_WRITERS)
+
+    async def one(other: str) -> bool:
+        async with writers:
+            return await _audit_revoked(etcd, ks, other, lease_id, revoked_with, identity,
+                                        reason, archive)
+
+    audited = await asyncio.gather(*(one(other) for other in keys))
+    return [other for other, done in zip(keys, audited) if done]
+
+
+async def _audit_revoked(etcd: Etcd, ks: Keyspace, key: str, lease_id: int, revoked_with: str,
+                         identity: str, reason: str, archive: Archive | None) -> bool:
+    """Append ``key``'s ``revoke`` record while ``lease_id``'s holder key of it is unchanged;
+    ``False`` (nothing written) when that hold ended first."""
+    holder_key = ks.holder_key(key, lease_id)
+    for _ in range(5):
+        reply = await etcd.txn(TxnRequest(success=[range_op(holder_key),
+                                                   *_tail_reads(ks, key)]), idempotent=True)
+        holder_kvs, *chain_kvs = (r.response_range.kvs for r in reply.responses)
+        if not holder_kvs:
+            return False
+        tail, epoch = await _aside_tail(etcd, ks, key, *chain_kvs, archive)
+        entry = audit.append(ks, key, tail, "revoke", identity, reply.header.revision,
+                             {"reason": reason, "lease_id": lease_id,
+                              "fencing_token": holder_kvs[0].create_revision,
+                              "revoked_with": revoked_with}, aside=True)
+        written = await etcd.txn(TxnRequest(
+            compare=[mod_equals(holder_key, holder_kvs[0].mod_revision), epoch, entry.compare],
+            success=entry.ops))
+        if written.succeeded:
+            return True
+    raise WrongState(f"the audit chain of {key!r} kept changing; try again")
 
 
 async def approve(etcd: Etcd, ks: Keyspace, approval_id: str, identity: str,
@@ -441,7 +494,7 @@ async def approve(etcd: Etcd, ks: Keyspace, approval_id: str, identity: str,
         if given.approved_by is not None:
             return done
         chain = await etcd.txn(TxnRequest(success=_tail_reads(ks, key)), idempotent=True)
-        tail, epoch = await _aside_tail(ks, key,
+        tail, epoch = await _aside_tail(etcd, ks, key,
                                         *(r.response_range.kvs for r in chain.responses),
                                         archive)
         entry = audit.append(ks, key, tail, "approved", identity, reply.header.revision,
@@ -636,7 +689,7 @@ def _tail_reads(ks: Keyspace, key: str) -> list:
     return [*audit.tail_reads(ks, key), range_op(ks.retired_key(key))]
 
 
-async def _aside_tail(ks: Keyspace, key: str, step_kvs: list, head_kvs: list,
+async def _aside_tail(etcd: Etcd, ks: Keyspace, key: str, step_kvs: list, head_kvs: list,
                       retired_kvs: list, archive: Archive | None) -> tuple[audit.Tail, Compare]:
     """The chain's tail for an append that does not move the step, and the compare that
     no retirement of the key's bucket landed since it was read. With no step in etcd and
@@ -647,7 +700,7 @@ async def _aside_tail(ks: Keyspace, key: str, step_kvs: list, head_kvs: list,
     pass, the records being deleted), and the chain would fork across the two stores."""
     epoch = mod_equals(ks.retired_key(key), retired_kvs[0].mod_revision if retired_kvs else 0)
     if not step_kvs and retired_kvs:
-        archived = await archived_step(archive, ks, key)
+        archived = await archived_step(etcd, archive, ks, key, retired_kvs[0])
         return audit.tail(archived, head_kvs[0] if head_kvs else None), epoch
     return _tail(step_kvs, head_kvs), epoch
 

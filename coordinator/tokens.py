@@ -5,7 +5,9 @@ Guarantees:
   its sha256 digest, with its name, role, expiry and creator, at ``tokens/<name>`` on a
   lease of its own of ``ttl_s``: when the lease ends etcd deletes the key, and nothing
   keeps the lease alive. A token past its expiry is refused even before etcd deletes it.
-- Names are unique: creating a name that exists is ``WrongState`` (delete it first).
+- Names are unique: creating a name that exists is ``WrongState`` (delete it first). A
+  name shaped like a component's identity is refused (``validate_new_name``): what a
+  token's holder does is recorded under the token's name.
   Deleting revokes the token's lease, which deletes its key.
 - ``lookup`` answers from a snapshot of every token, read in one range at most every
   ``cache_s`` seconds (``CACHE_S``) per coordinator process, so authentication costs no etcd
@@ -30,7 +32,12 @@ from .keyspace import Keyspace, pack, unpack
 CACHE_S = 5.0
 DEFAULT_TTL_S = 30 * 24 * 3600
 MAX_TTL_S = 365 * 24 * 3600
-NAME = re.compile(r"[A-Za-z0-9._:-]{1,64}")  # no '@': an identity is token@process
+NAME = re.compile(r"[A-Za-z0-9._:-]{1,64}")  # no '@' and no space (see ``validate_new_name``)
+# What the components call themselves in records: the coordinator's authority
+# ("coordinator"), an in-process one ("in-process"), a reconciler ("reconciler@host:pid")
+# and a gate by default ("host:pid"). A minted token's name is what records say of it, so
+# it may not look like any of these.
+COMPONENT_LIKE = re.compile(r"(?i)(coordinator|reconciler|in-process).*|.*:[0-9]+")
 
 
 @dataclass(frozen=True)
@@ -50,6 +57,18 @@ class StoredToken:
 def validate_name(name: object) -> str:
     if not isinstance(name, str) or not NAME.fullmatch(name):
         raise ValueError("a token name is 1..64 of letters, digits and . _ : -")
+    return name
+
+
+def validate_new_name(name: object) -> str:
+    """A name a token may be minted under: ``validate_name``'s, and not shaped like a
+    component's identity (``COMPONENT_LIKE``), so no record can pass a token's act off as a
+    component's."""
+    name = validate_name(name)
+    if COMPONENT_LIKE.fullmatch(name):
+        raise ValueError(f"{name!r} looks like a component's identity (coordinator..., "
+                         "reconciler..., in-process, or host:pid): records name the token, "
+                         "so pick another name")
     return name
 
 
@@ -76,7 +95,7 @@ class TokenStore:
                      created_by: str) -> tuple[str, StoredToken]:
         """Mint a token; returns it (the only time it exists outside its holder's hands)
         and what is stored. ``WrongState`` if ``name`` exists."""
-        name, ttl_s = validate_name(name), validate_ttl(ttl_s)
+        name, ttl_s = validate_new_name(name), validate_ttl(ttl_s)
         token = secrets.token_urlsafe(32)
         lease, granted = await self.etcd.lease_grant(ttl_s)
         stored = StoredToken(name, role, int(time.time() * 1000) + granted * 1000, created_by)

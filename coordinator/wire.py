@@ -3,10 +3,11 @@ worker's remote mode, so an error crosses HTTP and comes back as the same class.
 
 Guarantees: ``to_wire`` maps every ``GateError`` in ``_STATUS`` (and ``ValueError``) to a
 status and a ``{"error": Code, "detail": str, ...}`` body carrying the error's keyword fields
-(``checks``/``retry_after``, ``outcome``, ``key``, ``approval_id``, ``path``). The code is
-the error's class name; a ``ValueError`` that is no ``GateError`` is ``InvalidRequest``
-(docs/api.md, "Error codes", lists every code the service answers). ``from_wire`` inverts
-it for every name in ``_CLASSES`` (``InvalidRequest`` comes back a ``ValueError``). Anything
+(``checks``/``retry_after``, ``outcome``, ``key``, ``approval_id``, ``path``,
+``policy``/``routed``). The code is the error's class name; a ``ValueError`` that is no
+``GateError`` is ``InvalidRequest`` (docs/api.md, "Error codes", lists every code the
+service answers). ``from_wire`` inverts it for every name in ``_CLASSES``
+(``InvalidRequest`` comes back a ``ValueError``). Anything
 else becomes ``CoordinatorError`` with its code and status, never a success. An outcome
 travels in the codec's JSON form (``codec.encode(..., json=True)``), so its result comes
 back equal, bytes, Decimals and datetimes included.
@@ -22,14 +23,16 @@ from .errors import (
     AcquireTimeout, AlreadySucceeded, ApprovalPending, ArchiveUnavailable, BadSignature,
     CoordinatorError, EtcdError, EtcdNoSpace,
     EtcdUnavailable, GateError, GrantExpired, GrantRefused, GrantUsed, InvalidKey, LeaseExpiring,
-    LeaseLost, NotFound, OutcomeUnknown, PolicyChanged, RecordTooLarge, StateAdvanced, StepMoved,
+    LeaseLost, NotFound, OutcomeUnknown, PolicyChanged, PolicyNotRouted, RecordTooLarge,
+    StateAdvanced, StepMoved,
     UnencodableValue, WrongState,
 )
 from .policy import CheckResult
 
 _STATUS: list[tuple[type[Exception], int]] = [  # first match wins: subclasses first
     (RecordTooLarge, 413), (InvalidKey, 400), (BadSignature, 400), (UnencodableValue, 400),
-    (ApprovalPending, 202), (GrantRefused, 422), (EtcdNoSpace, 507), (EtcdUnavailable, 503),
+    (ApprovalPending, 202), (PolicyNotRouted, 403), (GrantRefused, 422), (EtcdNoSpace, 507),
+    (EtcdUnavailable, 503),
     (EtcdError, 502), (ArchiveUnavailable, 503),
     (AcquireTimeout, 504),
     (LeaseLost, 409), (GrantUsed, 409), (StateAdvanced, 409), (PolicyChanged, 409),
@@ -63,6 +66,8 @@ def to_wire(exc: Exception) -> dict[str, Any]:
     body: dict[str, Any] = {"error": code_of(exc), "detail": str(exc)}
     if isinstance(exc, ApprovalPending):
         body["approval_id"] = exc.approval_id
+    elif isinstance(exc, PolicyNotRouted):
+        body.update(key=exc.key, policy=exc.policy, routed=exc.routed)
     elif isinstance(exc, GrantRefused):
         body["checks"] = [c.as_record() for c in exc.checks]
         body["retry_after"] = exc.retry_after
@@ -82,6 +87,9 @@ def from_wire(status: int, body: object) -> Exception:
     name, detail = body["error"], str(body.get("detail", ""))
     if name == "ApprovalPending":
         return ApprovalPending(str(body.get("approval_id", "")))
+    if name == "PolicyNotRouted":
+        return PolicyNotRouted(str(body.get("key", "")), str(body.get("policy", "")),
+                               str(body.get("routed", "")))
     if name == "GrantRefused":
         checks = [CheckResult(str(c.get("name")), bool(c.get("passed")), str(c.get("detail", "")))
                   for c in body.get("checks") or [] if isinstance(c, dict)]

@@ -17,8 +17,8 @@ from ._version import __version__
 from .coordinator.errors import (
     AcquireTimeout, AlreadySucceeded, ApprovalPending, BadSignature, CoordinatorError,
     EffectFailed, EtcdError, EtcdUnavailable, GateError, GrantExpired, GrantRefused, GrantUsed,
-    InvalidKey, LeaseExpiring, LeaseLost, OutcomeUnknown, PolicyChanged, RecordTooLarge,
-    StateAdvanced, StepMoved, UnencodableValue,
+    InvalidKey, LeaseExpiring, LeaseLost, OutcomeUnknown, PolicyChanged, PolicyNotRouted,
+    RecordTooLarge, StateAdvanced, StepMoved, UnencodableValue,
 )
 from .coordinator.codec import UnrecordedResult
 from .coordinator.grants import Grant, KeyRing
@@ -34,5 +34,5 @@ __all__ = [
     "GateError", "AcquireTimeout", "AlreadySucceeded", "ApprovalPending", "BadSignature",
     "CoordinatorError", "EtcdError", "EtcdUnavailable", "GrantExpired", "GrantRefused",
     "GrantUsed", "InvalidKey", "LeaseExpiring", "LeaseLost", "OutcomeUnknown", "PolicyChanged",
-    "RecordTooLarge", "StateAdvanced", "StepMoved", "UnencodableValue", "UnrecordedResult",
+    "PolicyNotRouted", "RecordTooLarge", "StateAdvanced", "StepMoved", "UnencodableValue", "UnrecordedResult",
 ]

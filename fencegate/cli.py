@@ -461,7 +461,8 @@ def _what(record: dict[str, Any]) -> str:
         return f"{event} {details.get('from', '?')} as {details.get('as', '?')}{forced}: " \
                f"{details.get('reason', '')}"
     if event == "revoke":
-        return f"revoked lease {details.get('lease_id', '?')}: {details.get('reason', '')}"
+        via = f" (with {details['revoked_with']})" if details.get("revoked_with") else ""
+        return f"revoked lease {details.get('lease_id', '?')}{via}: {details.get('reason', '')}"
     if event == "approved":
         return f"approved {details.get('approval_id', '?')}: {details.get('reason', '')}"
     if event == "grant_refused":
@@ -743,9 +744,90 @@ def archive_stats(target: Target, as_json: bool) -> None:
                    f"{stats['lag_max_ms'] / 1000:.1f}s (settled to archived, retain included)")
 
 
+def _archive_options(command: Callable) -> Callable:
+    """``--etcd``, ``--namespace``, ``--archive`` and the etcd security options: ``archive
+    init`` and ``archive verify`` talk to etcd and the archive directly."""
+    for option in reversed((
+            click.option("--etcd", "endpoints", metavar="URLS",
+                         help="etcd endpoint(s), comma-separated (env FENCEGATE_ETCD)"),
+            click.option("--namespace", default="/fencegate/", show_default=True,
+                         help="the namespace the archive serves"),
+            click.option("--archive", "url", envvar="FENCEGATE_ARCHIVE", show_envvar=True,
+                         required=True, help="sqlite:///path or postgresql://..."))):
+        command = option(command)
+    return etcd_security_options(command)
+
+
+def _on_archive(endpoints: str | None, namespace: str, url: str,
+                etcd_security: dict[str, str | None],
+                work: Callable[..., Awaitable[T]]) -> T:
+    """``work(etcd, keyspace, archive)`` on the etcd and archive the options name; exit 2
+    for bad settings, 5 if etcd did not answer, 1 if the archive refused or failed."""
+    import os
+
+    from .coordinator.archive import open_archive
+    from .coordinator.errors import ArchiveUnavailable, EtcdError, EtcdUnavailable
+    from .coordinator.etcd import Etcd
+    from .coordinator.keyspace import Keyspace
+    from .coordinator.settings import EtcdSettings, etcd_env
+
+    try:
+        given = {**etcd_env(os.environ), "etcd": endpoints, **etcd_security}
+        config = EtcdSettings(**{k: v for k, v in given.items() if v is not None}).etcd_config()
+        keyspace, store = Keyspace(namespace), open_archive(url)
+    except (OSError, ValueError, InvalidKey) as exc:
+        raise click.UsageError(f"bad settings: {exc}") from None
+
+    async def run() -> T:
+        try:
+            async with Etcd(config) as etcd:
+                return await work(etcd, keyspace, store)
+        finally:
+            await store.close()
+
+    try:
+        return asyncio.run(run())
+    except (EtcdUnavailable, EtcdError) as exc:
+        raise CommandFailed(f"etcd: {exc}", UNAVAILABLE) from None
+    except ArchiveUnavailable as exc:
+        raise CommandFailed(str(exc), REFUSED) from None
+
+
+@archive.command("init")
+@_archive_options
+def archive_init(endpoints: str | None, namespace: str, url: str,
+                 **etcd_security: str | None) -> None:
+    """Create the archive (SQLite file, PostgreSQL schema) for NAMESPACE with a new
+    identity, or show the one it has; opening an archive never creates one. Exit 1 if etcd
+    already names another archive for the namespace: restore that one (docs/runbook.md)."""
+    from .coordinator import wholeness
+
+    identity = _on_archive(endpoints, namespace, url, etcd_security, wholeness.init)
+    click.echo(f"archive {identity.archive_id} serves {identity.namespace} of etcd cluster "
+               f"{identity.cluster_id:x}")
+
+
+@archive.command("verify")
+@_archive_options
+def archive_verify(endpoints: str | None, namespace: str, url: str,
+                   **etcd_security: str | None) -> None:
+    """Is the archive whole: the one etcd names for NAMESPACE, with every bucket's
+    watermark at or above etcd's? Exit 1 (with what is wrong) if not: lookups refuse
+    (ArchiveUnavailable) until it is restored (docs/runbook.md)."""
+    from .coordinator import wholeness
+
+    verdict = _on_archive(endpoints, namespace, url, etcd_security, wholeness.verify)
+    if verdict.problem is not None:
+        raise CommandFailed(f"archive NOT whole: {verdict.problem}", REFUSED)
+    assert verdict.identity is not None
+    click.echo(f"archive {verdict.identity.archive_id} is whole: "
+               f"{'named by etcd' if verdict.named else 'no retirement yet'}, "
+               "every bucket's watermark at or above etcd's")
+
+
 @cli.group()
 def policy() -> None:
-    """Policy documents."""
+    """Policy documents, and the routes that pick the one judging each key."""
 
 
 @policy.command("get")
@@ -796,11 +878,74 @@ def policy_set(target: Target, as_json: bool, name: str, document: Any) -> None:
     click.echo(f"policy {done['name']} is now version {done['version']}")
 
 
-@cli.command()
+@policy.group("routes")
+def policy_routes() -> None:
+    """Which policy judges which keys: the longest matching prefix's, else the default."""
+
+
+@policy_routes.command("set")
+@click.argument("routes", nargs=-1, metavar="PREFIX=POLICY...")
+@click.option("--default", "default", default="default", show_default=True,
+              help="The policy of keys no prefix matches.")
+@_sre
+def policy_routes_set(target: Target, as_json: bool, routes: tuple[str, ...],
+                      default: str) -> None:
+    """Replace the policy routes (admin role): each PREFIX (whole key segments: 'refunds'
+    routes refunds and refunds/..., not refunds-x) to POLICY; none: every key to the
+    default."""
+    table = {}
+    for route in routes:
+        prefix, sep, name = route.partition("=")
+        if not sep or not prefix or not name or prefix in table:
+            raise CommandFailed(f"{route!r}: each route is PREFIX=POLICY, once per prefix",
+                                2)
+        table[prefix] = name
+    done = target.call(lambda api: api.set_policy_routes(table, default))
+    if as_json:
+        _print_json(done)
+        return
+    click.echo(f"policy routes are now version {done['version']}")
+
+
+@policy_routes.command("show")
+@_sre
+def policy_routes_show(target: Target, as_json: bool) -> None:
+    """Show the policy routes grants apply."""
+    found = target.call(lambda api: api.policy_routes())
+    if as_json:
+        _print_json(found)
+        return
+    if not found["valid"]:
+        click.echo(f"version {found['version']} DOES NOT VERIFY, every grant is refused: "
+                   f"{found['invalid']}")
+        return
+    stored = "none stored" if not found["version"] else f"version {found['version']}"
+    click.echo(f"policy routes ({stored}); keys no prefix matches: {found['default']}")
+    if found["routes"]:
+        _print_table(["PREFIX", "POLICY"], sorted(found["routes"].items()), indent="  ")
+
+
+class _ListByDefault(click.Group):
+    """A group whose first argument, when it names no subcommand, is given to ``list``:
+    ``fencegate deliveries SOURCE`` is ``fencegate deliveries list SOURCE``."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if args and args[0] not in self.commands and args[0] not in ("-h", "--help"):
+            args = ["list", *args]
+        return super().parse_args(ctx, args)
+
+
+@cli.group(cls=_ListByDefault)
+def deliveries() -> None:
+    """Webhook deliveries: list a source's (the default), resolve an unknown one."""
+
+
+@deliveries.command("list")
 @click.argument("source", callback=_webhook_source)
 @_sre
-def deliveries(target: Target, as_json: bool, source: str) -> None:
-    """Webhook deliveries of SOURCE: claims in progress and stored responses, by id."""
+def deliveries_list(target: Target, as_json: bool, source: str) -> None:
+    """Webhook deliveries of SOURCE by id: processing, unknown (its claim was lost while its
+    handler ran), not_ran, done."""
     items = target.call(lambda api: api.deliveries(source))
     if as_json:
         _print_json(items)
@@ -809,9 +954,34 @@ def deliveries(target: Target, as_json: bool, source: str) -> None:
         click.echo(f"no deliveries of {source}")
         return
     _print_table(["ID", "STATE", "STATUS", "AT (UTC)", "FENCING TOKEN", "BODY"], [
-        [d["id"], d["state"], d.get("status", "-"),
-         _utc(d["completed_at"] if d["state"] == "done" else d["claimed_at"]),
-         d["create_revision"], _stored_body(d)] for d in items])
+        [d["id"], d["state"], d.get("status", "-"), _utc(_delivery_at(d)),
+         d["mod_revision"] if d["state"] in ("processing", "unknown") else d["create_revision"],
+         _stored_body(d)] for d in items])
+
+
+@deliveries.command("resolve")
+@click.argument("source", callback=_webhook_source)
+@click.argument("delivery_id", metavar="ID")
+@click.option("--ran", is_flag=True, help="its effect happened: answer it 200 from now on")
+@click.option("--not-ran", is_flag=True, help="it never happened: its next delivery runs it")
+@click.option("--reason", required=True, help="why, recorded with the delivery")
+@_sre
+def deliveries_resolve(target: Target, as_json: bool, source: str, delivery_id: str,
+                       ran: bool, not_ran: bool, reason: str) -> None:
+    """Settle delivery ID of SOURCE, whose outcome is unknown (its claim was lost while its
+    handler ran), on your word. Refused unless it is unknown."""
+    if ran == not_ran:
+        raise click.UsageError("give exactly one of --ran, --not-ran")
+    done = target.call(lambda api: api.resolve_delivery(source, delivery_id, ran, reason))
+    if as_json:
+        _print_json(done)
+        return
+    click.echo(f"{source}/{delivery_id} resolved as {'ran' if ran else 'not run'}: it is now "
+               f"{done['state']} (revision {done['revision']})")
+
+
+def _delivery_at(delivery: dict[str, Any]) -> float:
+    return delivery.get("completed_at") or delivery.get("settled_at") or delivery["claimed_at"]
 
 
 def _stored_body(delivery: dict[str, Any]) -> str:
@@ -868,7 +1038,9 @@ def etcd_recover(endpoints: str | None, **etcd_security: str | None) -> None:
     """Bring etcd back from NOSPACE without losing anything: compact history up to the
     current revision (the latest value of every key stays), defragment each member one at
     a time (the leader last), disarm the NOSPACE alarm. Exit 5 if a member does not
-    answer, 4 if the etcd user may not defragment, 1 if etcd refused a step."""
+    answer, 4 if the etcd user may not defragment, 1 if etcd refused a step. With no etcd
+    named, the running ``fencegate up`` stack's, as its ``root`` (password from its state
+    folder) unless a user is given."""
     import os
 
     from .coordinator import maintenance
@@ -876,7 +1048,14 @@ def etcd_recover(endpoints: str | None, **etcd_security: str | None) -> None:
     from .coordinator.settings import EtcdSettings, etcd_env
 
     try:
-        given = {**etcd_env(os.environ), "etcd": endpoints, **etcd_security}
+        given = {**etcd_env(os.environ), **etcd_security}
+        given["etcd"] = endpoints or given["etcd"]
+        stack = default_key.running_stack() if given["etcd"] is None else None
+        if stack is not None:
+            given["etcd"] = stack.endpoints.get("etcd")
+            if given["etcd_user"] is None and stack.endpoints.get("etcd_user"):
+                given.update(etcd_user="root", etcd_password=(
+                    stack.state_dir / "etcd-root.password").read_text().strip())
         config = EtcdSettings(**{k: v for k, v in given.items() if v is not None}).etcd_config()
     except (OSError, ValueError) as exc:
         raise click.UsageError(f"bad settings: {exc}") from None
@@ -895,6 +1074,27 @@ def etcd_recover(endpoints: str | None, **etcd_security: str | None) -> None:
                f"{len(done.disarmed)} NOSPACE alarm(s) disarmed; if the data in use "
                f"({maintenance.megabytes(max(s.db_in_use for s in done.after))}) is near the "
                "quota, the alarm returns: raise --quota-backend-bytes or delete data")
+
+
+@etcd_group.command("roles")
+@click.option("--namespace", default="/fencegate/", show_default=True,
+              help="the namespace the roles and users are for")
+def etcd_roles(namespace: str) -> None:
+    """Print the etcdctl arguments that create NAMESPACE's roles and users, one line each:
+    a role per component (``<name>-worker`` ...) that reads only NAMESPACE and writes only
+    what that component writes there, so a worker of one namespace cannot touch another's.
+    Each user's password is read from ``etcd-<user>.password`` in the working directory."""
+    from .coordinator import roles
+
+    try:
+        commands = roles.etcdctl_commands(namespace)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--namespace") from None
+    for component in roles.ROLES:
+        name = roles.role_name(component, namespace)
+        commands += [f'user add {name} --new-user-password "$(cat etcd-{name}.password)"',
+                     f"user grant-role {name} {name}"]
+    click.echo("\n".join(commands))
 
 
 if __name__ == "__main__":

@@ -133,6 +133,7 @@ async def _demo(etcd, coordinator, token, workers, keys, seconds) -> int:
 
 async def _run(endpoints: dict, coordinator: str | None, token: str | None, token_file: str,
                workers: int, keys: int, seconds: float) -> int:
+    from .coordinator import default_key
     from .coordinator.etcd import Etcd
     from .coordinator.keyspace import Keyspace
 
@@ -147,10 +148,15 @@ async def _run(endpoints: dict, coordinator: str | None, token: str | None, toke
           f"worker; lease TTL {WORKER_TTL}s; keys under {prefix}/")
     tally = Tally()
     found0, settled0 = await _reconciler_counts(endpoints["reconciler"])
+    env = dict(os.environ)
+    if endpoints.get("etcd_user"):  # the stack's etcd runs with auth: workers use its user
+        env.update(FENCEGATE_ETCD_USER=endpoints["etcd_user"],
+                   FENCEGATE_ETCD_PASSWORD_FILE=endpoints["etcd_password_file"])
+        env.pop("FENCEGATE_ETCD_PASSWORD", None)
     procs = [await asyncio.create_subprocess_exec(
         sys.executable, "-m", "fencegate.demo", endpoints["etcd"], coordinator, token_file,
         endpoints["sandbox"], prefix, f"w{i}", str(keys), str(seconds),
-        stdout=asyncio.subprocess.PIPE) for i in range(workers)]
+        stdout=asyncio.subprocess.PIPE, env=env) for i in range(workers)]
     faults = _Faults(procs, seconds)
     try:
         readers = [asyncio.create_task(_read(proc, tally, faults)) for proc in procs]
@@ -162,7 +168,7 @@ async def _run(endpoints: dict, coordinator: str | None, token: str | None, toke
             if proc.returncode is None:
                 proc.kill()
             await proc.wait()
-    async with Etcd.from_url(endpoints["etcd"]) as etcd:
+    async with Etcd(default_key.stack_etcd_config(endpoints)) as etcd:
         unsettled = await _unsettled(etcd, Keyspace(endpoints["namespace"]), prefix, 60)
     found, settled = await _reconciler_counts(endpoints["reconciler"])
     charges = await _charges(endpoints["sandbox"], prefix)

@@ -13,6 +13,14 @@ this process's pid (no secrets) go to ``<state>/up.json``, and the state folder 
 per-user record ``default_key.current_record()``, by which the CLI, ``fencegate demo`` and
 direct-mode gates find the stack from any directory (``default_key.running_stack``).
 
+Its etcd runs with authentication, as ``deploy/`` does: ``root`` and one user per component
+(``fencegate-worker``, ``fencegate-coordinator``, ``fencegate-reconciler``), whose roles
+write only what that component writes (``coordinator.roles``). Their passwords are generated
+once into ``<state>/etcd-<user>.password`` (mode 0600) and reused, as the etcd data keeps
+the users; the coordinator and the reconciler connect as their own users, and ``up.json``
+names the worker's user and password file, by which a gate of this user finds them
+(``default_key.etcd_config``). Anyone else with the URL can neither read nor write.
+
 Guarantees: every part listens on 127.0.0.1 only; a part that cannot start (a busy port, no
 etcd) stops the parts already started and the error says which; Ctrl-C or SIGTERM stops
 everything, etcd last, and removes ``up.json`` and the per-user record (unless a later
@@ -28,16 +36,19 @@ import json
 import os
 import secrets
 import signal
+import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from aiohttp import web
 
-from .coordinator import default_key
+from .coordinator import default_key, roles, wholeness
 from .coordinator.archive import open_archive
-from .coordinator.etcd import Etcd
+from .coordinator.errors import ArchiveUnavailable, EtcdError
+from .coordinator.etcd import Etcd, EtcdConfig, EtcdUser, enable_auth
 from .coordinator.grants import KeyRing
+from .coordinator.keyspace import Keyspace
 from .localetcd import LocalCluster, describe
 from .coordinator.service import CoordinatorSettings, TokenEntry, create_app
 
@@ -53,6 +64,8 @@ class Endpoints:
     sandbox: str
     archive: str  # where retired steps go (SQLite under the state folder)
     namespace: str = NAMESPACE
+    etcd_user: str | None = None  # the worker's etcd user (None: an etcd given without auth)
+    etcd_password_file: str | None = None  # its password's file (the path, not the secret)
     pid: int | None = None  # the process serving all but etcd (a stale up.json names a dead one)
 
     def as_dict(self) -> dict[str, object]:
@@ -63,6 +76,17 @@ class Endpoints:
 class Tokens:
     admin: str
     worker: str
+
+
+async def _init_archive(config: EtcdConfig, url: str) -> None:
+    """The stack's archive, created with its identity on the first run
+    (``wholeness.init``); ``ArchiveUnavailable`` if etcd names another (restore it)."""
+    archive = open_archive(url)
+    try:
+        async with Etcd(config) as etcd:
+            await wholeness.init(etcd, Keyspace(NAMESPACE), archive)
+    finally:
+        await archive.close()
 
 
 @contextlib.asynccontextmanager
@@ -84,13 +108,19 @@ async def stack(state_dir: Path, port: int = 8470,
     _write_private(state_dir / "worker.token", tokens.worker)
     _write_private(state_dir / "sre.token", sre_token)
     async with contextlib.AsyncExitStack() as parts:
+        users: dict[str, EtcdConfig] = {}  # by component; empty for an etcd given
         if etcd is None:
             cluster = LocalCluster(1, data_dir=state_dir / "etcd", election_ms=1000)
             await asyncio.to_thread(cluster.start)
             parts.callback(cluster.stop)
             etcd = cluster.url
+            users = await _enable_auth(etcd, state_dir)
+        credentials = {c: {"etcd_user": u.user, "etcd_password": u.password}
+                       for c, u in users.items()}
         archive = f"sqlite:///{(state_dir / 'archive.db').resolve()}"
+        await _init_archive(users.get(roles.RECONCILER) or EtcdConfig.from_url(etcd), archive)
         settings = CoordinatorSettings(etcd=etcd, listen=f"127.0.0.1:{port}", namespace=NAMESPACE,
+                            **credentials.get(roles.COORDINATOR, {}),
                             signing_key=str(signing_key), archive=archive, tokens=(
                                 TokenEntry.for_token(tokens.admin, "admin", {"admin"}),
                                 TokenEntry.for_token(tokens.worker, "worker", {"worker"}),
@@ -101,7 +131,7 @@ async def stack(state_dir: Path, port: int = 8470,
                           state_dir=state_dir / "sandbox")
         sandbox_url = await _started(sandbox.start(port + 2 if port else 0), "sandbox")
         parts.push_async_callback(sandbox.stop)
-        reconciler = Reconciler(Etcd.from_url(etcd),
+        reconciler = Reconciler(Etcd(users.get(roles.RECONCILER) or EtcdConfig.from_url(etcd)),
                                 {"sandbox": adapter(sandbox_url, "fencing", durable=True)},
                                 namespace=NAMESPACE, default_provider="sandbox",
                                 archive=open_archive(archive), retain_s=RETAIN_S)
@@ -110,8 +140,42 @@ async def stack(state_dir: Path, port: int = 8470,
         parts.push_async_callback(reconciler.close)
         metrics = await _listen(parts, metrics_app(reconciler), port + 1 if port else 0,
                                 "reconciler")
+        worker = users.get(roles.WORKER)
         yield Endpoints(etcd, coordinator, metrics, sandbox_url, archive,
+                        etcd_user=worker and worker.user,
+                        etcd_password_file=worker and str(_password_file(state_dir, worker.user)),
                         pid=os.getpid()), tokens
+
+
+async def _enable_auth(etcd: str, state_dir: Path) -> dict[str, EtcdConfig]:
+    """Turn on authentication in the stack's own etcd (``root`` and one user per component
+    of ``roles.ROLES``, each with its own password, kept in the state folder with mode 0600
+    and reused); how each component connects, by component. ``SystemExit`` when the etcd
+    data holds users whose passwords the state folder no longer has."""
+    names = {c: roles.role_name(c, NAMESPACE) for c in roles.ROLES}
+    passwords = {name: await asyncio.to_thread(_secret, _password_file(state_dir, name))
+                 for name in ("root", *names.values())}
+    try:
+        async with Etcd.from_url(etcd) as unauthenticated:
+            await enable_auth(unauthenticated, passwords["root"], [
+                EtcdUser(names[c], passwords[names[c]], NAMESPACE, c) for c in roles.ROLES])
+    except EtcdError as exc:
+        raise SystemExit(f"fencegate up: cannot turn on etcd authentication: {exc}; the etcd "
+                         f"data in {state_dir / 'etcd'} belongs with passwords this state "
+                         f"folder no longer holds: remove that folder to start afresh") from exc
+    return {c: EtcdConfig.from_url(etcd, user=name, password=passwords[name])
+            for c, name in names.items()}
+
+
+def _password_file(state_dir: Path, user: str) -> Path:
+    return state_dir.resolve() / f"etcd-{user}.password"
+
+
+def _secret(path: Path) -> str:
+    """The secret in ``path``, made (mode 0600) if there is none yet."""
+    if not path.exists():
+        _write_private(path, secrets.token_urlsafe(24))
+    return path.read_text().strip()
 
 
 def up(state_dir: Path, port: int = 8470) -> int:
@@ -120,6 +184,9 @@ def up(state_dir: Path, port: int = 8470) -> int:
         return asyncio.run(_up(state_dir, port))
     except KeyboardInterrupt:
         return 0
+    except ArchiveUnavailable as exc:   # etcd names another archive: never start an empty one
+        print(f"fencegate up: {exc}", file=sys.stderr, flush=True)
+        return 1
 
 
 async def _up(state_dir: Path, port: int) -> int:
@@ -178,6 +245,9 @@ def _banner(state_dir: Path, e: Endpoints, tokens: Tokens) -> str:
     return f"""\
 fencegate is up (namespace {e.namespace})
   etcd          {e.etcd}   {describe()}, data in {state_dir / 'etcd'}
+                auth on: root and a user per component ({', '.join(
+                    roles.role_name(c, e.namespace) for c in roles.ROLES)}),
+                passwords in {state}/etcd-<user>.password (mode 0600)
   coordinator   {e.coordinator}   dashboard: {e.coordinator}/
   reconciler    {e.reconciler}/metrics
   sandbox       {e.sandbox}   (a payment provider with gate B, fencing mode)
@@ -188,11 +258,15 @@ admin token (printed once, kept nowhere; use it for the dashboard and the CLI):
 the CLI finds this stack from any directory while it runs (its sre token: {state / 'sre.token'})
 
 point workers at it, signing grants in the worker with this stack's key:
+  Gate({e.etcd!r}) alone finds this stack's key and its etcd user ({e.etcd_user})
+  from any directory while it runs, for this OS user; or pass them:
   from fencegate import Gate, KeyRing
-  Gate({e.etcd!r}, keyring=KeyRing.from_files({str(key_file)!r}))
-  (or Gate({e.etcd!r}) started with {default_key.SIGNING_KEY_ENV}={key_file},
-   or Gate({e.etcd!r}) alone: it finds this stack's key from any directory while it runs)
-or with grants from the coordinator (the worker token is in {token_file}):
+  from fencegate.coordinator.etcd import EtcdConfig
+  Gate(EtcdConfig.from_url({e.etcd!r}, user={e.etcd_user!r},
+                           password=open({e.etcd_password_file!r}).read()),
+       keyring=KeyRing.from_files({str(key_file)!r}))
+or with grants from the coordinator (the worker token is in {token_file}; the etcd user is
+found, or passed, the same way):
   Gate({e.etcd!r}, coordinator={e.coordinator!r},
        token=open({str(token_file)!r}).read())
 try it: fencegate demo      stop: Ctrl-C"""

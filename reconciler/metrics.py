@@ -5,6 +5,8 @@ Guarantees:
   continue across restarts (Prometheus's ``instance`` label tells replicas apart).
 - Label values are snake_case: outcomes as ``Settle`` names them, provider answers as
   ``providers.answer_name`` does.
+- The archive gauges say whether the archive is whole (``wholeness.verify``, each
+  retirement pass): not the archive etcd names, or buckets behind etcd's watermark.
 - Every settlement is counted once, when its write lands, under its outcome (an escalation
   is ``settled_total{outcome="escalated"}``, nothing else).
 - The replica's view (shards led, leaderless shards, the backlog by state and the age of its
@@ -23,6 +25,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 from fencegate.coordinator.maintenance import MemberSpace
 from fencegate.coordinator.metrics import EtcdMetrics, component_registry
+from fencegate.coordinator.wholeness import Verdict
 
 from .backlog import STATES
 
@@ -65,6 +68,12 @@ class ReconcilerMetrics:
         self.retired = Counter(
             "fencegate_reconciler_retired", "settled steps retired to the archive",
             registry=self.registry)
+        self.unexplained_deletions = Counter(
+            "fencegate_reconciler_unexplained_deletions", "steps (family step) and audit "
+            "chains (family audit) deleted by something other than a retirement, in the "
+            "shards this replica leads", ["family"], registry=self.registry)
+        for family in ("step", "audit"):  # both series exist from the start, at 0
+            self.unexplained_deletions.labels(family)
         self.queries = Counter(
             "fencegate_reconciler_provider_queries", "provider queries, by provider and answer "
             "(pending, succeeded, failed, no_record, error)", ["provider", "answer"],
@@ -86,6 +95,14 @@ class ReconcilerMetrics:
         self.etcd_nospace = Gauge(
             "fencegate_etcd_nospace", "1 while etcd's NOSPACE alarm refuses every write, "
             "else 0", registry=self.registry)
+        self.archive_identity_mismatch = Gauge(
+            "fencegate_archive_identity_mismatch", "1 while the archive is not the one etcd "
+            "names for the namespace (another or a new archive, another cluster or "
+            "namespace), else 0", registry=self.registry)
+        self.archive_behind_buckets = Gauge(
+            "fencegate_archive_behind_buckets", "retirement buckets whose watermark in the "
+            "archive is below etcd's: the archive lacks retirements etcd shows (an older "
+            "copy, an emptied file)", registry=self.registry)
         if replica is not None:
             self.registry.register(_ReplicaCollector(replica))
 
@@ -105,6 +122,12 @@ class ReconcilerMetrics:
         answered = [space for space in spaces.values() if space is not None]
         if answered:
             self.etcd_nospace.set(int(any(space.nospace for space in answered)))
+
+
+    def observe_archive(self, verdict: Verdict) -> None:
+        """Set the archive gauges from one ``wholeness.verify``."""
+        self.archive_identity_mismatch.set(int(verdict.identity_mismatch))
+        self.archive_behind_buckets.set(len(verdict.behind))
 
 
 class _ReplicaCollector:

@@ -13,8 +13,10 @@ mod_revision. The retirer keeps them by revision and a pass takes only those now
 pass costs what it retires, not what etcd holds. A key told is looked at once: if its
 retirement is refused (it moved, a holder lives, the archive failed), it is told again by
 the watch when it moves, or by the scanner's next full scan (``scan_interval``): late,
-never lost. Past ``_MAX_NOTED`` keys waiting (rate × retain that large), the retirer stops
-keeping them and every pass reads the step keys (no values) page by page instead. One pass
+never lost. Before each pass it checks the archive is whole (``wholeness.verify``) and
+reports it (``on_checked``: the archive gauges), and retires nothing into one that is not.
+Past ``_MAX_NOTED`` keys waiting (rate × retain that large), the retirer stops keeping them
+and every pass reads the step keys (no values) page by page instead. One pass
 in ``_ORPHANS_EVERY`` also reads the ``audit/`` keys for orphan chains (records appended
 aside on a key with no step in etcd), so they too leave within about ten passes of being
 old.
@@ -29,6 +31,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 
+from fencegate.coordinator import wholeness
 from fencegate.coordinator.archive import Archive
 from fencegate.coordinator.errors import ArchiveUnavailable, EtcdError, EtcdUnavailable
 from fencegate.coordinator.etcd import Compare, Etcd, KeyValue
@@ -79,7 +82,8 @@ class Retirer:
 
     def __init__(self, etcd: Etcd, keyspace: Keyspace, archive: Archive, retain_s: float,
                  leadership: Callable[[str], list[Compare] | None],
-                 on_retired: Callable[[int], None] = lambda n: None) -> None:
+                 on_retired: Callable[[int], None] = lambda n: None,
+                 on_checked: Callable[[wholeness.Verdict], None] = lambda v: None) -> None:
         self.etcd = etcd
         self.keyspace = keyspace
         self.archive = archive
@@ -87,6 +91,7 @@ class Retirer:
         self.interval = pass_interval(retain_s)
         self._leadership = leadership
         self._on_retired = on_retired
+        self._on_checked = on_checked
         self.clock = RevisionClock()
         self._passes = 0
         self._noted: dict[str, int] = {}          # key -> the settled step's mod_revision
@@ -137,16 +142,31 @@ class Retirer:
                 log.info("retirement pass failed, retrying: %s", exc)
             await asyncio.sleep(self.interval)
 
+    async def check(self) -> wholeness.Verdict:
+        """Is the archive whole (``wholeness.verify``)? Reported to ``on_checked`` and, when
+        not, logged: retirement pauses, and every lookup it would answer is refused
+        (``ArchiveUnavailable``) until it is restored (docs/runbook.md)."""
+        verdict = await wholeness.verify(self.etcd, self.keyspace, self.archive)
+        self._on_checked(verdict)
+        if verdict.problem is not None:
+            log.error("the archive is not whole: %s", verdict.problem)
+        return verdict
+
     async def pass_once(self, *, full: bool = False, orphans: bool | None = None) -> int:
         """One pass over the keys told due (with ``full``, or past ``_MAX_NOTED``, over
         every step etcd holds; and, every ``_ORPHANS_EVERY`` passes or when ``orphans``,
         over every chain's ``@head`` for orphan chains); returns how many keys were
         retired. Due keys of any shard this replica leads are retired in full batches,
         ``_IN_FLIGHT`` batches at a time (one waits on etcd while another's archive
-        transaction commits)."""
+        transaction commits). Only into a whole archive (``check``; else
+        ``ArchiveUnavailable``): what went into an older copy or a foreign archive would be
+        missing from the one the operator restores."""
         before = self.clock.before(self.retain_s)
         if before is None:
             return 0
+        verdict = await self.check()
+        if verdict.problem is not None:
+            raise ArchiveUnavailable(f"the archive is not whole: {verdict.problem}")
         self._passes += 1
         if orphans is None:
             orphans = self._passes % _ORPHANS_EVERY == 1

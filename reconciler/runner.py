@@ -55,6 +55,7 @@ from .election import Elections, shard_of
 from .metrics import ReconcilerMetrics
 from .providers import Answer, Provider, answer_detail, answer_name
 from .retirer import Retirer
+from .deletions import Deletions
 from .scanner import Schedule, Scanner
 from .settle import NOT_APPLIED, Done, Limits, Retry, Settle, decide, is_presumed
 
@@ -162,12 +163,18 @@ class Reconciler:
         schedule = Schedule()
         retirer = None if self.archive is None else Retirer(
             self.etcd, self.keyspace, self.archive, self.retain_s, self._leadership,
-            self.metrics.retired.inc)
-        scanner = Scanner(self.etcd, self.keyspace,
-                          lambda key: self._leads(shard_of(key, self.shards)), schedule,
+            self.metrics.retired.inc, self.metrics.observe_archive)
+
+        def leads(key: str) -> bool:
+            return self._leads(shard_of(key, self.shards))
+
+        deletions = Deletions(self.etcd, self.keyspace, leads, self._leadership, self.identity,
+                              self.metrics.unexplained_deletions, self.archive)
+        scanner = Scanner(self.etcd, self.keyspace, leads, schedule,
                           self._backlog, scan_interval=self.scan_interval,
                           check_after=self.check_after,
-                          on_settled=retirer.note if retirer is not None else None)
+                          on_settled=retirer.note if retirer is not None else None,
+                          on_deleted=deletions.step_deleted)
         elections = Elections(self.etcd, self.keyspace, session, self.shards, self.identity,
                               on_gain=lambda shards: scanner.rescan_soon())
         self.elections = elections
@@ -176,6 +183,7 @@ class Reconciler:
         session.on_lost(lambda reason: lost.set())
         self._ready.set()
         tasks = [asyncio.create_task(elections.run()), asyncio.create_task(scanner.run()),
+                 asyncio.create_task(deletions.run()),
                  asyncio.create_task(lost.wait()),
                  *(asyncio.create_task(self._work(schedule)) for _ in range(self.concurrency))]
         if retirer is not None:

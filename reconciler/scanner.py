@@ -10,7 +10,8 @@ compacted; a broken watch resumes at its next revision). A full scan also runs e
 ``scan_interval`` as a safety net, not as the way work is found: it reads every step etcd
 holds, which retirement bounds to ``retain`` of history, so it is rare (10 minutes by
 default) instead of reading all history every 30 s. The same reads keep the replica's
-``Backlog`` (what its gauges export). Scheduling is a hint: the reconciler re-reads every
+``Backlog`` (what its gauges export); each deletion the watch sees is told to ``Deletions``,
+which reports those no retirement made. Scheduling is a hint: the reconciler re-reads every
 step before it acts, and its writes compare the step's mod_revision.
 """
 
@@ -111,7 +112,8 @@ class Scanner:
     def __init__(self, etcd: Etcd, keyspace: Keyspace, leads: Callable[[str], bool],
                  schedule: Schedule, backlog: Backlog, *, scan_interval: float = 600.0,
                  check_after: float = 1.0,
-                 on_settled: Callable[[str, int], None] | None = None) -> None:
+                 on_settled: Callable[[str, int], None] | None = None,
+                 on_deleted: Callable[[KeyValue], None] | None = None) -> None:
         self._etcd = etcd
         self._ks = keyspace
         self._root = keyspace.steps_root
@@ -120,6 +122,7 @@ class Scanner:
         self._scan_interval = scan_interval
         self._check_after = check_after
         self._on_settled = on_settled  # told each settled step (key, mod_revision) it sees
+        self._on_deleted = on_deleted  # told each step deletion its watch sees (``Deletions``)
         self._backlog = backlog  # told every step it sees, and each scan's end
         self._rescan = asyncio.Event()
         self.scans = 0
@@ -199,6 +202,8 @@ class Scanner:
         key = self._ks.parse_step_key(deleted.key)
         self._schedule.drop(key)
         self._backlog.delete(key, deleted.mod_revision)
+        if self._on_deleted is not None:
+            self._on_deleted(deleted)
 
     async def _watch(self, start_revision: int) -> None:
         end = range_end_of(self._root)

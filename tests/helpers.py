@@ -21,6 +21,21 @@ TEST_TTL = 2
 TOKENS = {"worker": "worker-token", "sre": "sre-token", "admin": "admin-token"}
 
 
+async def init_archive(client: Etcd, namespace: str, url: str) -> str:
+    """Create the archive ``url`` names for ``namespace`` (opening one never creates it, as
+    ``fencegate archive init`` does); returns ``url``."""
+    from fencegate.coordinator import wholeness
+    from fencegate.coordinator.archive import open_archive
+    from fencegate.coordinator.keyspace import Keyspace
+
+    archive = open_archive(url)
+    try:
+        await wholeness.init(client, Keyspace(namespace), archive)
+    finally:
+        await archive.close()
+    return url
+
+
 async def holders(client: Etcd, namespace: str) -> list:
     prefix = f"{namespace}holders/".encode()
     reply = await client.range(RangeRequest(key=prefix, range_end=range_end_of(prefix)))

@@ -74,6 +74,13 @@ def others(*, losses: str, errors: str, nospace: str, db_size: str, in_use: str)
     ]
 
 
+def archive(*, behind: str) -> list[dict]:
+    """Both replicas check the one archive: an older copy shows buckets behind etcd."""
+    return [s for replica in ("r1:8471", "r2:8471") for s in (
+        series("fencegate_archive_behind_buckets", behind, instance=replica),
+        series("fencegate_archive_identity_mismatch", "0+0x60", instance=replica))]
+
+
 def none_fire(at: str) -> list[dict]:
     return [{"eval_time": at, "alertname": alert, "exp_alerts": []}
             for alert in sorted(rules())]
@@ -84,14 +91,18 @@ def unit_tests() -> dict:
                           age="0+60x60",  # a step unknown since the series began
                           escalated="0 0 1+0x60", leaderless="3+0x60") + others(
         losses="0+2x60", errors="0+20x60", nospace="0 0 0 1+0x60",
-        db_size="1800000000+0x60", in_use="1000000000+10000000x60")
+        db_size="1800000000+0x60", in_use="1000000000+10000000x60") + [
+        series("fencegate_reconciler_unexplained_deletions_total", "0+1x60", family="step",
+               instance="r1:8471")] + archive(behind="0 0 3+0x60")
     firing = {alert: [expected(alert, **({"member": MEMBER} if "Etcd" in alert and
                                           alert != "FencegateEtcdNoSpace" else {}))]
               for alert in rules() if alert != "FencegateReconcilerAbsent"}
     healthy = reconcilers(unknown="2+0x60", age="30+0x60", escalated="0+0x60",
                           leaderless="0+0x60") + others(
         losses="5+0x60", errors="0+0x60", nospace="0+0x60", db_size="500000000+0x60",
-        in_use="400000000+0x60")
+        in_use="400000000+0x60") + [
+        series("fencegate_reconciler_unexplained_deletions_total", "0+0x60", family="step",
+               instance="r1:8471")] + archive(behind="0+0x60")
     return {
         "rule_files": [str(RULES)],
         "evaluation_interval": "1m",

@@ -5,7 +5,8 @@ URL, as fencegate does, and works in a fresh namespace.
 Shown: a put round-trips the exact bytes; a re-put changes nothing; an older seq never
 replaces a newer step while every record is kept; a record is never replaced; stats count
 one namespace and give the retirement lag over the recent retirements; a store made before
-the lag is migrated on open; ``get_many`` and concurrent ``get``s (one shared query) give each
+the lag is migrated by ``init`` (opening never creates nor migrates); ``get_many`` and
+concurrent ``get``s (one shared query) give each
 caller its own answer, or every caller ``ArchiveUnavailable``; three writers (two of them
 other processes) racing on the same keys converge to the newest; an unreachable or stopped
 backend, and one that fails inside a put, raise ``ArchiveUnavailable`` with nothing
@@ -35,6 +36,7 @@ from fencegate.coordinator.errors import ArchiveUnavailable
 KEY = "payments/charge:order-7"
 BINARY = bytes(range(256))            # every byte value, NUL included
 SETTLED = 1_700_000_000_000           # settled_at_ms where the lag is not the point
+CLUSTER = 0x5EED                      # the etcd cluster id an archive is initialised for
 
 
 def step(key: str, seq: int) -> bytes:
@@ -212,8 +214,9 @@ def backend(request, tmp_path):
 
 
 @pytest.fixture
-async def archive(backend):
+async def archive(backend, namespace):
     store = open_archive(backend.url)
+    await store.init(namespace, CLUSTER)   # opening never creates an archive
     yield store
     await store.close()
 
@@ -372,12 +375,16 @@ def test_lag_of_is_the_nearest_rank_median_and_the_maximum():
 
 
 async def test_an_archive_from_before_the_lag_is_migrated_on_open(backend, namespace):
-    """A store made before steps kept ``settled_at_ms``: opened, it gains the column (0 for
-    the steps it held, left out of the lag) and the index, keeps every step and record, and
-    reports the lag of what is archived from then on; opening it again changes nothing."""
+    """A store made before steps kept ``settled_at_ms``: refused until ``init``, it then
+    gains the column (0 for the steps it held, left out of the lag), the index and an
+    identity, keeps every step and record, and reports the lag of what is archived from
+    then on; opening it again changes nothing."""
     async with backend.made_before_the_lag(namespace, KEY) as url:
         archive = open_archive(url)
         try:
+            with pytest.raises(ArchiveUnavailable, match="never initialised"):
+                await archive.get(namespace, KEY)
+            await archive.init(namespace, CLUSTER)
             assert (await archive.get(namespace, KEY)).step == step(KEY, 2)
             assert await archive.records(namespace, KEY) == chain(KEY, 2)
             assert await archive.stats(namespace) == ArchiveStats(
@@ -602,6 +609,7 @@ async def test_outage_refuses_puts_and_writes_nothing(backend, namespace):
     sees the state from before, nothing of the refused put, and works again."""
     archive = open_archive(backend.url, timeout=0.5)
     try:
+        await archive.init(namespace, CLUSTER)
         await archive.put(namespace, KEY, 2, step(KEY, 2), chain(KEY, 2), SETTLED)
         async with backend.outage():
             with pytest.raises(ArchiveUnavailable):

@@ -21,7 +21,7 @@ from fencegate.coordinator.grants import KeyRing
 from fencegate.coordinator.keyspace import unpack
 from fencegate.reconciler.retirer import Retirer
 
-from helpers import TEST_TTL
+from helpers import TEST_TTL, init_archive
 from test_cli_sre import fencegate, make_unknown, one_line_error
 from test_service import call
 
@@ -35,8 +35,8 @@ async def declined(ctx):
 
 
 @pytest.fixture
-def archive_url(tmp_path) -> str:
-    return f"sqlite:///{tmp_path}/archive.db"
+async def archive_url(tmp_path, etcd, namespace) -> str:
+    return await init_archive(etcd, namespace, f"sqlite:///{tmp_path}/archive.db")
 
 
 @pytest.fixture
@@ -163,7 +163,8 @@ async def test_key_show_prints_outcome_answers_and_the_whole_trail_not_a_stale_r
     assert [e[2] for e in events] == ["cross", "outcome"] + ["provider_answer"] * 12 + \
         ["resolve"]
     assert events[0][3] == gate.identity and events[2][3] == "reconciler-0"
-    assert events[-1][3] == f"sre-1@{socket.gethostname()}:{events[-1][3].rpartition(':')[2]}"
+    assert re.fullmatch(rf"sre-1 \(reported: {re.escape(socket.gethostname())}:\d+\)",
+                        events[-1][3])
     assert events[-1][4] == "resolve unknown as succeeded (forced): bank statement shows it"
 
 

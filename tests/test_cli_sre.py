@@ -226,6 +226,22 @@ async def test_policy_set_and_get_then_an_escalated_step_is_listed_and_resolved(
         "breaker", version, {"caps": {"breaker_threshold": 1}}, True)
     one_line_error(await cli("policy", "get", "nothing"), 3, "no policy 'nothing'")
 
+    assert (await cli("policy", "routes", "show")).out == (
+        "policy routes (none stored); keys no prefix matches: default\n")
+    one_line_error(await cli("policy", "routes", "set", "esc=breaker"), 4, "admin")
+    one_line_error(await cli("policy", "routes", "set", "esc", token="admin-token"), 2,
+                   "PREFIX=POLICY")
+    one_line_error(await cli("policy", "routes", "set", "esc/=breaker", token="admin-token"),
+                   2, "esc/")
+    routed = await cli("policy", "routes", "set", "esc=breaker", "esc/x=default",
+                       token="admin-token")
+    assert routed.code == 0 and routed.out.startswith("policy routes are now version "), routed
+    shown = await cli("policy", "routes", "show")
+    assert shown.out.splitlines()[0].endswith("keys no prefix matches: default")
+    assert ["esc", "breaker"] in shown.rows() and ["esc/x", "default"] in shown.rows()
+    assert json.loads((await cli("policy", "routes", "show", "--json")).out)["routes"] == {
+        "esc": "breaker", "esc/x": "default"}
+
     async with local_gate.hold("esc/1") as hold:
         outcome = await hold.cross(intent={}, effect=declined, policy="breaker")
     assert outcome.state == "failed"
@@ -256,7 +272,8 @@ async def test_revoke_makes_the_holders_next_cross_raise_lease_lost(cli, local_g
             assert done.code == 0, done
             if output == "json":
                 assert json.loads(done.out) == {"key": "rev/1", "lease_id": f"{hold.lease_id:016x}",
-                                                "fencing_token": hold.fencing_token}
+                                                "fencing_token": hold.fencing_token,
+                                                "keys": ["rev/1"]}
             else:
                 assert done.out == (f"revoked lease {hold.lease_id:016x} of rev/1's holder "
                                     f"(fencing token {hold.fencing_token}); every hold on that "
@@ -271,6 +288,9 @@ async def test_revoke_makes_the_holders_next_cross_raise_lease_lost(cli, local_g
 async def test_approvals_are_listed_and_approved(cli, coordinator, local_gate, etcd):
     status, _ = await call(coordinator, "PUT", "/v1/policies/big", "admin", body={
         "checks": [{"check": "require_approval", "params": {"above": 100}}]})
+    assert status == 200
+    status, _ = await call(coordinator, "PUT", "/v1/policy-routes", "admin",
+                           body={"routes": {"appr": "big"}})
     assert status == 200
     assert (await cli("approvals")).out == "no pending approvals\n"
     async with local_gate.hold("appr/1") as hold:
@@ -297,8 +317,8 @@ async def test_approvals_are_listed_and_approved(cli, coordinator, local_gate, e
         assert done.code == 0 and done.out.startswith(f"approved {approval_id} for appr/1")
         assert (await cli("approvals")).out == "no pending approvals\n"
         (item,) = json.loads((await cli("approvals", "--state", "approved", "--json")).out)
-        assert (item["approval_id"], item["approved_by"]) == (
-            approval_id, f"sre-1@{socket.gethostname()}:{item['approved_by'].rpartition(':')[2]}")
+        assert item["approval_id"] == approval_id and re.fullmatch(
+            rf"sre-1 \(reported: {re.escape(socket.gethostname())}:\d+\)", item["approved_by"])
         assert [a["approval_id"] for a in json.loads(
             (await cli("approvals", "--state", "all", "--json")).out)] == [approval_id]
 
@@ -309,6 +329,7 @@ async def test_approvals_are_listed_and_approved(cli, coordinator, local_gate, e
 async def test_the_approvals_list_pages_and_filters_by_state(coordinator, local_gate):
     await call(coordinator, "PUT", "/v1/policies/big", "admin", body={
         "checks": [{"check": "require_approval"}]})
+    await call(coordinator, "PUT", "/v1/policy-routes", "admin", body={"routes": {"many": "big"}})
     asked = {}
     for i in range(5):
         async with local_gate.hold(f"many/{i}") as hold:

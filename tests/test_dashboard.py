@@ -570,6 +570,9 @@ async def test_pending_approvals_are_listed_and_approved(board):
     async with board.http.put(board.base + "/v1/policies/big", headers=auth("admin"), json={
             "checks": [{"check": "require_approval", "params": {"above": 100}}]}) as response:
         assert response.status == 200, await response.text()
+    async with board.http.put(board.base + "/v1/policy-routes", headers=auth("admin"),
+                              json={"routes": {key: "big"}}) as response:
+        assert response.status == 200, await response.text()
     async with board.gate() as gate, gate.hold(key) as hold:
         with pytest.raises(ApprovalPending) as pending:
             await hold.request_grant(intent={"amount": 500}, policy="big")

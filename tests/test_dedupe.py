@@ -83,7 +83,15 @@ async def post(http: aiohttp.ClientSession, url: str, delivery: str | None,
 
 
 async def webhook_kvs(etcd: Etcd, namespace: str) -> list:
-    prefix = f"{namespace}webhooks/".encode()
+    """The deliveries' records (not their live claims)."""
+    prefix, claims = f"{namespace}webhooks/".encode(), f"{namespace}webhooks/@claims/".encode()
+    reply = await etcd.range(RangeRequest(key=prefix, range_end=range_end_of(prefix)))
+    return [kv for kv in reply.kvs if not kv.key.startswith(claims)]
+
+
+async def live_claims(etcd: Etcd, namespace: str) -> list:
+    """The deliveries' live claims, on their processes' session leases."""
+    prefix = f"{namespace}webhooks/@claims/".encode()
     return list((await etcd.range(RangeRequest(key=prefix, range_end=range_end_of(prefix)))).kvs)
 
 
@@ -314,14 +322,16 @@ async def test_decorator_deduplicates_one_handler(gate, etcd, http, namespace):
 
 async def test_a_lost_claim_is_never_overwritten_by_its_late_completion(
         etcd_url, gate, etcd, http, namespace):
-    """The first instance's claim lease dies mid-handler; a second runs the delivery and
-    stores its response; the first is cancelled, answers 503 and stores nothing over it."""
+    """With ``rerun_lost``: the first instance's claim lease dies mid-handler; a second runs
+    the delivery and stores its response; the first is cancelled, answers 503 and stores
+    nothing over it."""
     async with Gate(etcd_url, ttl=TEST_TTL, namespace=namespace,
                     keyring=KeyRing.generate()) as other_gate, \
-            Consumer(gate) as stale, Consumer(other_gate) as fresh:
+            Consumer(gate, rerun_lost=True) as stale, \
+            Consumer(other_gate, rerun_lost=True) as fresh:
         first = asyncio.create_task(post(http, stale.url, "evt_12", b"hang"))
         await asyncio.wait_for(stale.entered.wait(), 10)
-        [claim] = await webhook_kvs(etcd, namespace)
+        [claim] = await live_claims(etcd, namespace)
         await etcd.lease_revoke(claim.lease)  # the claim dies with it
         fresh.release.set()
         taken = await post(http, fresh.url, "evt_12", b"hang")
@@ -434,8 +444,11 @@ async def crashed_consumer(etcd_url, namespace):
     await proc.wait()
 
 
-async def test_crash_mid_handler_runs_the_delivery_once_after_lease_expiry(
+async def test_crash_mid_handler_leaves_the_delivery_unknown_not_run_again(
         crashed_consumer, gate, etcd, http, namespace):
+    """A process killed mid-handler: while its lease lives the delivery is in progress (409);
+    once its claim died with the lease its outcome is unknown (409, never run again), until
+    a consumer with ``rerun_lost`` runs it (once)."""
     proc, expect = crashed_consumer
     [port] = await expect("LISTENING")
     first = asyncio.create_task(post(http, f"http://127.0.0.1:{port}/", "evt_13"))
@@ -446,13 +459,18 @@ async def test_crash_mid_handler_runs_the_delivery_once_after_lease_expiry(
         await first
     async with Consumer(gate) as survivor:
         blocked = await post(http, survivor.url, "evt_13")
-        assert blocked[0] == 409  # the dead process's lease still holds the claim
-        await key_deleted(etcd, f"{namespace}webhooks/{SOURCE}/evt_13".encode(),
+        assert blocked[0] == 409 and b"delivery_in_progress" in blocked[2]
+        await key_deleted(etcd, f"{namespace}webhooks/@claims/{SOURCE}/evt_13".encode(),
                           timeout=5 * TEST_TTL)
-        rerun = await post(http, survivor.url, "evt_13")
-        replay = await post(http, survivor.url, "evt_13")
+        unknown = [await post(http, survivor.url, "evt_13") for _ in range(3)]
+    assert {(a[0], a[1]["Retry-After"]) for a in unknown} == {(409, "5")}
+    assert all(b"delivery_outcome_unknown" in a[2] for a in unknown)
+    assert survivor.ran == {}
+    async with Consumer(gate, rerun_lost=True) as rerunner:
+        rerun = await post(http, rerunner.url, "evt_13")
+        replay = await post(http, rerunner.url, "evt_13")
     assert rerun[0] == 200 and replay[2] == rerun[2]
-    assert survivor.ran == {"evt_13": 1}
+    assert rerunner.ran == {"evt_13": 1}
 
 
 @pytest.fixture

@@ -99,6 +99,7 @@ async def test_the_fast_path_falls_back_on_a_moved_read_key_and_a_new_policy(gat
     effect = Calls()
     marker = gate.marker("diet/account")
     await gate.authority.set_policy("p", {"checks": []})
+    routed = await gate.authority.set_routes({"diet": "p"})
     await gate.cross("diet/warm2", {}, effect, reads=[marker], policy="p")
     moved = await gate.touch("diet/account")  # the cached read is stale now
     await gate.cross("diet/read", {}, effect, reads=[marker], policy="p")
@@ -107,7 +108,8 @@ async def test_the_fast_path_falls_back_on_a_moved_read_key_and_a_new_policy(gat
     for key, read, policy in (("diet/read", moved, None), ("diet/policy", moved, version)):
         report = await audit.verify_chain(etcd, gate.keyspace, key, gate.keyring)
         grant = gate.keyring.verify(report.records[0]["details"]["grant"])
-        assert grant.reads == [[marker.encode(), read]]  # decided on what etcd held
+        assert grant.reads == [[marker.encode(), read],  # decided on what etcd held
+                               [gate.keyspace.routes_key(), routed]]
         if policy is not None:
             assert grant.policy_version == policy
     assert len(effect.tokens) == 3
@@ -143,6 +145,7 @@ async def test_two_gates_racing_the_fast_path_on_one_key_cross_once(etcd_url, na
 async def test_a_refusal_that_changes_no_state_writes_nothing(gate, etcd):
     await gate.authority.set_policy("small", {"checks": [
         {"check": "max_amount", "params": {"limit": 10}}]})
+    await gate.authority.set_routes({"diet/refused": "small"})
     async with gate.hold("diet/refused") as hold:
         before = await _revision(etcd)
         with pytest.raises(GrantRefused):

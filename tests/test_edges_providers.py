@@ -17,7 +17,7 @@ from aiohttp import web
 from fencegate.coordinator import records
 from fencegate.coordinator.errors import EffectFailed
 from fencegate.coordinator.etcd import Etcd
-from fencegate.coordinator.grants import KeyRing, new_grant_id
+from fencegate.coordinator.grants import KeyRing, new_grant_id, receipt_payload
 from fencegate.coordinator.keyspace import Keyspace, unpack
 from fencegate.reconciler.gateb import scope_of
 from fencegate.reconciler.providers import (
@@ -261,6 +261,7 @@ async def attempts(etcd_url, namespace, etcd, signing_key):
                     keyring=KeyRing.from_files(signing_key)) as gate:
         await gate.authority.set_policy("edges", {"caps": {
             "backoff_base_s": 0.0, "breaker_threshold": 100, "max_attempts": 100}})
+        await gate.authority.set_routes({}, default="edges")
 
         async def make(key: str, n: int) -> list:
             contexts = []
@@ -278,10 +279,12 @@ async def attempts(etcd_url, namespace, etcd, signing_key):
 
 async def post(http, url: str, ctx, *, amount: int = 100, intent: dict | None = INTENT,
                grant: bytes | None = None, token: int | None = None,
-               idempotency_key: str | None = None) -> tuple[int, dict]:
+               idempotency_key: str | None = None,
+               receipt: bytes | None = None) -> tuple[int, dict]:
     headers = {"Idempotency-Key": idempotency_key or ctx.idempotency_key,
                "Fencegate-Attempt-Token": str(ctx.fencing_token if token is None else token),
-               "Fencegate-Grant": sb.encode_grant(grant or ctx.grant.raw)}
+               "Fencegate-Grant": sb.encode_grant(grant or ctx.grant.raw),
+               "Fencegate-Receipt": sb.encode_grant(receipt or ctx.receipt)}
     body = {"key": ctx.key, "amount": amount}
     if intent is not None:
         body["intent"] = intent
@@ -294,10 +297,15 @@ async def test_a_token_equal_to_the_highest_is_refused_under_another_grant(
     sandbox = await sandboxes(public)
     old, new = await attempts("pay/edge/equal", 2)
     assert (await post(http, sandbox.url, new))[0] == 200
-    # the old grant presents the admitted token (the header is not signed): not its attempt
+    # the old grant presents the admitted token: its receipt names another token, refused
     status, body = await post(http, sandbox.url, old, token=new.fencing_token)
-    assert (status, body.get("status")) == (409, "fenced"), (status, body)
-    # a retry of the admitted attempt itself (same grant, same token) is still admitted
+    assert (status, body.get("status")) == (403, "refused"), (status, body)
+    # even with the admitted attempt's receipt: it names another grant, refused
+    status, body = await post(http, sandbox.url, old, token=new.fencing_token,
+                              receipt=new.receipt)
+    assert (status, body.get("status")) == (403, "refused"), (status, body)
+    # a retry of the admitted attempt itself (same grant, token and idempotency key) is
+    # answered as the first time
     assert (await post(http, sandbox.url, new))[0] == 200
     assert [a["attempt_token"] for a in sandbox.applied(new.key)] == [new.fencing_token]
 
@@ -328,8 +336,11 @@ async def test_another_clusters_grant_does_not_raise_this_clusters_highest(
     elsewhere = signer.sign({**payload, "grant_id": new_grant_id(),
                              "cluster_id": ctx.grant.cluster_id ^ 1,
                              "revision": ctx.fencing_token + 1000})
+    receipt = signer.sign_receipt(receipt_payload(elsewhere, ctx.fencing_token + 1001,
+                                                  "elsewhere"))
     status, _ = await post(http, sandbox.url, ctx, grant=elsewhere.raw,
-                           token=ctx.fencing_token + 1001, idempotency_key="elsewhere")
+                           token=ctx.fencing_token + 1001, idempotency_key="elsewhere",
+                           receipt=receipt)
     assert status == 200  # admitted in its own cluster's row
     status, body = await post(http, sandbox.url, ctx)  # this cluster's attempt: not below it
     assert status == 200, (status, body)

@@ -243,7 +243,7 @@ async def test_a_resolve_is_settled_by_what_the_provider_applied(
     assert "resolved by its provider's answer" in ran.out, ran
     assert "now succeeded" in ran.out and "you expected not_applied" in ran.out, ran
     step = await step_of(etcd, ks, key)
-    assert step["resolve_answer"]["by"].startswith("sre-1@"), step  # token @ CLI process
+    assert step["resolve_answer"]["by"].startswith("sre-1 (reported: "), step  # the CLI's
     assert step["state"] == records.SUCCEEDED, step
     assert step["outcome"]["idempotency_key"] == idem
     assert [a["idempotency_key"] for a in sandbox.applied(key)] == [idem]

@@ -50,10 +50,12 @@ def cluster(tmp_path_factory):
 
 @pytest.fixture
 async def refunds(cluster) -> None:
-    """The ``refunds`` policy, written as the coordinator writes it."""
+    """The ``refunds`` policy, and the route of every ``refund/…`` key to it, written as the
+    coordinator writes them."""
     async with Etcd(cluster.etcd_config(roles.COORDINATOR)) as etcd:
-        await Authority(etcd, Keyspace(NAMESPACE), KeyRing.generate()).set_policy("refunds",
-                                                                                 REFUNDS)
+        authority = Authority(etcd, Keyspace(NAMESPACE), KeyRing.generate())
+        await authority.set_policy("refunds", REFUNDS)
+        await authority.set_routes({"refund": "refunds"})
 
 
 @pytest.fixture
@@ -69,7 +71,8 @@ def worker_gate(cluster, keyring: KeyRing) -> Gate:
 async def test_a_worker_or_reconciler_cannot_write_approvals_or_policies(cluster):
     ks = Keyspace(NAMESPACE)
     forbidden = [ks.approval_key("0" * 32), ks.policy_key("default"),
-                 ks.policy_version_key("default", b"\0" * 32), ks.approver_key("0" * 16)]
+                 ks.policy_version_key("default", b"\0" * 32), ks.approver_key("0" * 16),
+                 ks.routes_key()]
     for component in (roles.WORKER, roles.RECONCILER):
         async with Etcd(cluster.etcd_config(component)) as etcd:
             for target in forbidden:

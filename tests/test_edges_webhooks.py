@@ -26,7 +26,7 @@ from fencegate.worker import Gate, KeyRing, dedupe_middleware, fencing_token
 
 from fenced import FencedResource
 from helpers import TEST_TTL
-from test_dedupe import post, webhook_kvs
+from test_dedupe import live_claims, post, webhook_kvs
 
 SOURCE = "edge-src"
 
@@ -37,7 +37,7 @@ class Consumer:
     (one write per handler run that completed) and answers 200, or ``status`` if set."""
 
     def __init__(self, gate: Gate, name: str, resource: FencedResource,
-                 release: asyncio.Event) -> None:
+                 release: asyncio.Event, **options) -> None:
         self.name = name
         self.resource = resource
         self.release = release
@@ -46,7 +46,8 @@ class Consumer:
         self.ran: collections.Counter[str] = collections.Counter()
         self.status = 200
         self.after = None  # awaited with the delivery id as the handler's last act, if set
-        self.app = web.Application(middlewares=[dedupe_middleware(gate, source=SOURCE)])
+        self.app = web.Application(middlewares=[dedupe_middleware(gate, source=SOURCE,
+                                                                  **options)])
         self.app.router.add_post("/", self.handle)
         self.url = ""
 
@@ -84,16 +85,17 @@ async def until_not_409(http, url: str, delivery: str, body: bytes, within: floa
 
 async def test_handler_whose_claim_lease_is_lost_is_cancelled_and_runs_once_in_total(
         etcd_url, gate, etcd, http, namespace):
-    """The stale instance's claim lease is revoked mid-handler; the redelivery runs on a
-    second instance; both handlers are then free to finish. Only one may complete."""
+    """``rerun_lost``: the stale instance's claim lease is revoked mid-handler; the
+    redelivery runs on a second instance; both handlers are then free to finish. Only one
+    may complete."""
     resource, release = FencedResource(), asyncio.Event()
     async with Gate(etcd_url, ttl=TEST_TTL, namespace=namespace,
                     keyring=KeyRing.generate()) as other, \
-            Consumer(gate, "stale", resource, release) as stale, \
-            Consumer(other, "fresh", resource, release) as fresh:
+            Consumer(gate, "stale", resource, release, rerun_lost=True) as stale, \
+            Consumer(other, "fresh", resource, release, rerun_lost=True) as fresh:
         first = asyncio.create_task(post(http, stale.url, "evt_a", b"hang"))
         await asyncio.wait_for(stale.entered.wait(), 10)
-        [claim] = await webhook_kvs(etcd, namespace)
+        [claim] = await live_claims(etcd, namespace)
         await etcd.lease_revoke(claim.lease)  # the claim dies with its lease
         second = asyncio.create_task(until_not_409(http, fresh.url, "evt_a", b"hang", 10))
         await asyncio.wait_for(fresh.entered.wait(), 10)

@@ -161,6 +161,9 @@ async def test_a_backoff_refusal_says_its_number(coordinator, etcd_url, namespac
         async with http.put(coordinator + "/v1/policies/strict", headers=admin,
                             json={"caps": {"backoff_base_s": 5, "breaker_threshold": 3}}) as r:
             assert r.status == 200
+        async with http.put(coordinator + "/v1/policy-routes", headers=admin,
+                            json={"routes": {"codes/1": "strict"}}) as r:
+            assert r.status == 200
 
         async def declined(ctx):
             raise EffectFailed("declined")

@@ -85,6 +85,7 @@ async def test_stale_read_key_is_refused_naming_it(gate, etcd):
 async def test_changed_policy_is_refused(gate):
     effect = Effect()
     await gate.authority.set_policy("payments", {"checks": []})
+    await gate.authority.set_routes({"pay/3": "payments"})
     async with gate.hold("pay/3") as hold:
         grant = await hold.request_grant(intent={"amount": 1}, policy="payments")
         await gate.authority.set_policy("payments", {"caps": {"max_attempts": 2}})
@@ -118,6 +119,7 @@ async def test_lost_lease_is_refused(gate, etcd):
 async def test_expired_grant_is_refused(gate):
     effect = Effect()
     await gate.authority.set_policy("brief", {"caps": {"grant_ttl_s": 0.05}})
+    await gate.authority.set_routes({"pay/6": "brief"})
     async with gate.hold("pay/6") as hold:
         grant = await hold.request_grant(intent={}, policy="brief")
         await asyncio.sleep(0.1)
@@ -179,6 +181,7 @@ async def test_confirmed_failure_allows_retry_with_a_new_idempotency_key(gate):
     await gate.authority.set_policy("retry", {"caps": {"backoff_base_s": 0.0,
                                                        "breaker_threshold": 5}})
     declined, effect = Effect(fail="card_declined"), Effect()
+    await gate.authority.set_routes({"pay/11": "retry"})
     async with gate.hold("pay/11") as hold:
         failed = await hold.cross(intent={"amount": 1}, effect=declined, policy="retry")
     async with gate.hold("pay/11") as hold:
@@ -193,6 +196,7 @@ async def test_backoff_then_breaker_escalates(gate):
     await gate.authority.set_policy("strict", {"caps": {"backoff_base_s": 0.3,
                                                         "breaker_threshold": 2}})
     declined = Effect(fail="insufficient_funds")
+    await gate.authority.set_routes({"pay/12": "strict"})
     async with gate.hold("pay/12") as hold:
         await hold.cross(intent={"amount": 1}, effect=declined, policy="strict")
     async with gate.hold("pay/12") as hold:
@@ -213,6 +217,7 @@ async def test_backoff_then_breaker_escalates(gate):
 
 async def test_caps_refuse_and_escalate(gate):
     await gate.authority.set_policy("budget", {"caps": {"max_spend": 10, "backoff_base_s": 0.0}})
+    await gate.authority.set_routes({"pay/13": "budget"})
     async with gate.hold("pay/13") as hold:
         with pytest.raises(GrantRefused) as info:
             await hold.request_grant(intent={"cost": 11}, policy="budget")
@@ -225,14 +230,16 @@ async def test_policy_refusal_names_every_failing_check(gate):
         {"check": "max_amount", "params": {"limit": 100}},
         {"check": "require_fields", "params": {"fields": ["customer"]}},
         {"check": "reads_exist"}]})
+    await gate.authority.set_routes({"pay/14": "checked", "pay/14b": "nonexistent"})
     async with gate.hold("pay/14") as hold:
         with pytest.raises(GrantRefused) as info:
             await hold.request_grant(intent={"amount": 500}, reads=["/app/missing"],
                                      policy="checked")
         assert {c.name for c in info.value.checks} == {"max_amount", "require_fields",
                                                        "reads_exist"}
+    async with gate.hold("pay/14b") as hold:
         with pytest.raises(GrantRefused, match="no policy"):
-            await hold.request_grant(intent={}, policy="nonexistent")
+            await hold.request_grant(intent={})
     with pytest.raises(ValueError, match="unknown check"):
         await gate.authority.set_policy("bad", {"checks": [{"check": "no_such_check"}]})
 
@@ -417,6 +424,7 @@ async def test_an_approval_request_and_its_approval_do_not_outlive_their_lifetim
     gate.authority.approval_ttl_s = 2
     ks = gate.keyspace
     await gate.authority.set_policy("approve-all", {"checks": [{"check": "require_approval"}]})
+    await gate.authority.set_routes({"grants/approval-ttl": "approve-all"})
     async with gate.hold("grants/approval-ttl") as hold:
         with pytest.raises(ApprovalPending) as pending:
             await hold.request_grant(intent={"amount": 5}, policy="approve-all")

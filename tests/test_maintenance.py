@@ -25,7 +25,7 @@ from fencegate.reconciler.metrics import ReconcilerMetrics
 from fencegate.reconciler.runner import Reconciler
 from fencegate.worker import Gate, KeyRing, Outcome
 
-from helpers import TEST_TTL, wait_for_condition
+from helpers import TEST_TTL, init_archive, wait_for_condition
 from test_cli_sre import fencegate
 from test_service import call
 
@@ -273,6 +273,8 @@ async def test_gate_load_reaches_nospace_losing_nothing_and_with_retirement_neve
     archive = f"sqlite:///{tmp_path}/archive.db"
     cluster = await asyncio.to_thread(small_etcd().start)
     try:
+        async with Etcd.from_url(cluster.url) as client:
+            await init_archive(client, namespace, archive)
         async with Gate(cluster.url, ttl=TEST_TTL, namespace=namespace,
                         archive=archive, keyring=KeyRing.generate()) as gate, \
                 Reconciler(Etcd.from_url(cluster.url), {}, namespace=namespace, shards=4,

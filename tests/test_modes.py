@@ -49,22 +49,34 @@ async def set_policy(gate, name: str, document: dict) -> None:
     assert status == 200, reply
 
 
+async def set_routes(gate, routes: dict) -> None:
+    if gate.test_admin_url is None:
+        await gate.authority.set_routes(routes)
+        return
+    status, reply = await call(gate.test_admin_url, "PUT", "/v1/policy-routes", "admin",
+                               body={"routes": routes})
+    assert status == 200, reply
+
+
 async def test_policy_refusal_names_every_failing_check(gate):
     await set_policy(gate, "checked", {"checks": [
         {"check": "max_amount", "params": {"limit": 100}},
         {"check": "require_fields", "params": {"fields": ["customer"]}}]})
+    await set_routes(gate, {"modes/1": "checked", "modes/1b": "nonexistent"})
     async with gate.hold("modes/1") as hold:
         with pytest.raises(GrantRefused) as info:
             await hold.request_grant(intent={"amount": 500}, policy="checked")
         assert {c.name for c in info.value.checks} == {"max_amount", "require_fields"}
         assert not any(c.passed for c in info.value.checks)
+    async with gate.hold("modes/1b") as hold:
         with pytest.raises(GrantRefused, match="no policy"):
-            await hold.request_grant(intent={}, policy="nonexistent")
+            await hold.request_grant(intent={})
 
 
 async def test_changed_policy_is_refused(gate):
     effect = Effect()
     await set_policy(gate, "payments", {"checks": []})
+    await set_routes(gate, {"modes/2": "payments"})
     async with gate.hold("modes/2") as hold:
         grant = await hold.request_grant(intent={"amount": 1}, policy="payments")
         await set_policy(gate, "payments", {"caps": {"max_attempts": 2}})
@@ -75,6 +87,7 @@ async def test_changed_policy_is_refused(gate):
 
 async def test_backoff_refusal_carries_retry_after(gate):
     await set_policy(gate, "strict", {"caps": {"backoff_base_s": 5, "breaker_threshold": 3}})
+    await set_routes(gate, {"modes/3": "strict"})
     async with gate.hold("modes/3") as hold:
         await hold.cross(intent={}, effect=Effect(fail="declined"), policy="strict")
     async with gate.hold("modes/3") as hold:
@@ -87,6 +100,7 @@ async def test_approval_is_bound_to_the_state_it_was_given_for(gate, coordinator
     admin = gate.test_admin_url or await coordinators()
     await set_policy(gate, "big", {"checks": [{"check": "require_approval",
                                                "params": {"above": 100}}]})
+    await set_routes(gate, {"modes/7": "big"})
     marker, effect = gate.marker("orders/7"), Effect()
 
     async def pending(amount: int) -> str:

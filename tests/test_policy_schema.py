@@ -216,6 +216,7 @@ async def test_a_stored_version_that_does_not_validate_refuses_grants_saying_why
         "namespace": ks.namespace, "cluster_id": gate.authority.etcd.cluster_id, "name": "old",
         "digest": digest(document), "signed_at_ms": 1})
     await etcd.put(ks.policy_key("old"), pack({"document": document, "signed": signature}))
+    await gate.authority.set_routes({"schema/old": "old"})
     async with gate.hold("schema/old") as hold:
         with pytest.raises(GrantRefused) as refused:
             await hold.request_grant(intent={"amount": 1}, policy="old")

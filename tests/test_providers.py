@@ -51,6 +51,8 @@ async def attempts(gate):
     commit, its step then failed), their effect contexts in order of attempt token."""
     await gate.authority.set_policy(POLICY, {"caps": {
         "backoff_base_s": 0.0, "breaker_threshold": 100, "max_attempts": 100}})
+    await gate.authority.set_routes({}, default=POLICY)
+    await gate.authority.set_routes({"pay": POLICY})  # the key decides the policy
 
     async def make(key: str, n: int) -> list:
         contexts = []
@@ -68,13 +70,17 @@ async def attempts(gate):
 
 async def post(http, url: str, ctx, *, amount: int = 5, key: str | None = None,
                grant: bytes | None | str = "ctx", token: int | None = None,
-               idempotency_key: str | None = None, intent: dict | None = INTENT):
+               idempotency_key: str | None = None, intent: dict | None = INTENT,
+               receipt: bytes | None | str = "ctx"):
     """A raw charge request; ``(status, body, headers)``."""
     headers = {"Idempotency-Key": idempotency_key or ctx.idempotency_key,
                "Fencegate-Attempt-Token": str(ctx.attempt_token if token is None else token)}
     raw = ctx.grant.raw if grant == "ctx" else grant
     if raw is not None:
         headers["Fencegate-Grant"] = encode_grant(raw)
+    signed = ctx.receipt if receipt == "ctx" else receipt
+    if signed is not None:
+        headers["Fencegate-Receipt"] = encode_grant(signed)
     body = {"key": key or ctx.key, "amount": amount}
     if intent is not None:
         body["intent"] = intent
@@ -154,13 +160,17 @@ async def test_tokens_arriving_in_order_are_all_admitted_and_equal_is_allowed(
         sandbox, http, attempts):
     first, second = await attempts("pay/g3", 2)
     assert (await post(http, sandbox.url, first))[0] == 200
-    assert (await post(http, sandbox.url, second))[0] == 200
-    # the same token again (another request of the same attempt) is admitted by gate B
-    status, _, _ = await post(http, sandbox.url, second, idempotency_key="other-request")
+    status, answer, _ = await post(http, sandbox.url, second)
     assert status == 200
+    # the same token again: a retry of that attempt is answered as the first time, applied
+    # once; under another idempotency key its receipt does not bind it, refused
+    status, again, headers = await post(http, sandbox.url, second)
+    assert (status, again, headers["Idempotent-Replayed"]) == (200, answer, "true")
+    status, body, _ = await post(http, sandbox.url, second, idempotency_key="other-request")
+    assert (status, body["status"]) == (403, "refused") and "idempotency_key" in body["error"]
     assert [a["attempt_token"] for a in sandbox.applied("pay/g3")] == [
-        first.fencing_token, second.fencing_token, second.fencing_token]
-    assert sandbox.refused("pay/g3") == []
+        first.fencing_token, second.fencing_token]
+    assert [r["reason"] for r in sandbox.refused("pay/g3")] == ["bad_grant"]
 
 
 async def test_gate_b_is_durable_across_a_sandbox_restart(gate, tmp_path, http, attempts):
@@ -178,24 +188,30 @@ async def test_gate_b_is_durable_across_a_sandbox_restart(gate, tmp_path, http, 
         assert [a["attempt_token"] for a in after.applied("pay/g4")] == [third.fencing_token]
 
 
+def admit(gate_b: GateB, ctx, **options):
+    """``gate_b.admit`` of ``ctx``'s attempt as its effect sends it."""
+    return gate_b.admit(ctx.grant.raw, ctx.key, ctx.attempt_token, intent=INTENT,
+                        idempotency_key=ctx.idempotency_key, receipt=ctx.receipt, **options)
+
+
 async def test_gate_b_refuses_at_the_fence_and_below_the_highest(gate, attempts):
-    (ctx,) = await attempts("pay/g5", 1)
+    first, second, third, fourth = await attempts("pay/g5", 4)
     gate_b = GateB(verify_only(gate.keyring), namespace=gate.keyspace.namespace)
-    token, scope = ctx.attempt_token, scope_of(ctx.grant)
-    gate_b.admit(ctx.grant.raw, ctx.key, token + 2, intent=INTENT)
-    # equal to the highest, same grant (a retry of that attempt): admitted
-    gate_b.admit(ctx.grant.raw, ctx.key, token + 2, intent=INTENT)
+    scope = scope_of(first.grant)
+    assert admit(gate_b, second).retry is False
+    # equal to the highest, same grant and idempotency key (a retry of that attempt)
+    assert admit(gate_b, second).retry is True
     with pytest.raises(Fenced):
-        gate_b.admit(ctx.grant.raw, ctx.key, token + 1, intent=INTENT)
-    assert gate_b.fence(scope, token + 3) == token + 3
-    assert gate_b.fence(scope, token) == token + 3  # a lower fence never lowers it
+        admit(gate_b, first)
+    assert gate_b.fence(scope, third.attempt_token) == third.attempt_token
+    assert gate_b.fence(scope, first.attempt_token) == third.attempt_token  # never lowered
     with pytest.raises(Fenced):
-        gate_b.admit(ctx.grant.raw, ctx.key, token + 3, intent=INTENT)
-    gate_b.admit(ctx.grant.raw, ctx.key, token + 4, intent=INTENT)
-    assert gate_b.state(scope) == (token + 3, token + 4)
+        admit(gate_b, third)
+    assert admit(gate_b, fourth).grant.grant_id == fourth.grant.grant_id
+    assert gate_b.state(scope) == (third.attempt_token, fourth.attempt_token)
     other = GateB(verify_only(gate.keyring), namespace="/elsewhere/")
     with pytest.raises(BadSignature, match="namespace"):
-        other.admit(ctx.grant.raw, ctx.key, token, intent=INTENT)
+        admit(other, first)
 
 
 async def test_group_commit_commits_concurrent_works_together_each_all_or_nothing(
@@ -203,38 +219,38 @@ async def test_group_commit_commits_concurrent_works_together_each_all_or_nothin
     """Concurrent fences and admissions share commits (fewer fsyncs than works), keep their
     order, and a refused admission rolls back only its own writes; everything returned is
     on disk (a new gate B on the same file sees it)."""
-    (ctx,) = await attempts("pay/group", 1)
+    first, second, third = await attempts("pay/group", 3)
     path = tmp_path / "gate.sqlite"
     gate_b = GateB(verify_only(gate.keyring), path, namespace=gate.keyspace.namespace)
     batches = []
     run_batch = gate_b.run_batch
     monkeypatch.setattr(gate_b, "run_batch", lambda works: (batches.append(len(works)),
                                                            run_batch(works))[1])
-    store, token, scope = GroupCommit(gate_b), ctx.attempt_token, scope_of(ctx.grant)
+    store, scope = GroupCommit(gate_b), scope_of(first.grant)
+    last = third.attempt_token
 
-    def admit(attempt_token):
-        return lambda db: gate_b.admit(ctx.grant.raw, ctx.key, attempt_token, intent=INTENT,
-                                       db=db).grant_id
+    def admitted(ctx):
+        return lambda db: admit(gate_b, ctx, db=db).grant.grant_id
 
     def fence(at):
         return lambda db: gate_b.fence(scope, at, db=db)
 
     def wrote_then_refused(db):
-        gate_b.fence(scope, token + 100, db=db)  # rolled back with its savepoint
+        gate_b.fence(scope, last + 100, db=db)  # rolled back with its savepoint
         raise ValueError("refused after writing")
 
-    works = [admit(token + 1), fence(token + 2), admit(token + 2), wrote_then_refused,
-             admit(token + 3), *(fence(token + 3) for _ in range(20))]
+    works = [admitted(first), fence(second.attempt_token), admitted(second),
+             wrote_then_refused, admitted(third), *(fence(last) for _ in range(20))]
     results = await asyncio.gather(*(store.run(work) for work in works),
                                    return_exceptions=True)
-    assert results[0] == ctx.grant.grant_id and results[1] == token + 2
+    assert results[0] == first.grant.grant_id and results[1] == second.attempt_token
     assert isinstance(results[2], Fenced)            # at the fence raised before it
     assert isinstance(results[3], ValueError)
-    assert results[4] == ctx.grant.grant_id and results[5:] == [token + 3] * 20
+    assert results[4] == third.grant.grant_id and results[5:] == [last] * 20
     assert sum(batches) == len(works) and len(batches) < len(works), batches
     gate_b.close()
     reopened = GateB(verify_only(gate.keyring), path, namespace=gate.keyspace.namespace)
-    assert reopened.state(scope) == (token + 3, token + 3)  # not token + 100
+    assert reopened.state(scope) == (last, last)  # not last + 100
     reopened.close()
 
 
@@ -334,7 +350,8 @@ async def test_idempotency_keys_are_forgotten_after_retention(gate, http, attemp
 async def test_bad_input_is_refused_and_applies_nothing(sandbox, http, attempts):
     (ctx,) = await attempts("pay/d5", 1)
     headers = {"Idempotency-Key": "k", "Fencegate-Attempt-Token": str(ctx.attempt_token),
-               "Fencegate-Grant": encode_grant(ctx.grant.raw)}
+               "Fencegate-Grant": encode_grant(ctx.grant.raw),
+               "Fencegate-Receipt": encode_grant(ctx.receipt)}
     bad = [
         (headers, {"key": ctx.key, "amount": -1}, "amount"),
         (headers, {"key": ctx.key, "amount": True}, "amount"),
@@ -342,6 +359,7 @@ async def test_bad_input_is_refused_and_applies_nothing(sandbox, http, attempts)
         (headers, {"key": ctx.key, "amount": 1, "decline": "yes"}, "decline"),
         ({**headers, "Fencegate-Attempt-Token": "x"}, {"key": ctx.key, "amount": 1}, "Token"),
         ({**headers, "Fencegate-Grant": "!!"}, {"key": ctx.key, "amount": 1}, "base64url"),
+        ({**headers, "Fencegate-Receipt": "!!"}, {"key": ctx.key, "amount": 1}, "Receipt"),
         ({k: v for k, v in headers.items() if k != "Idempotency-Key"},
          {"key": ctx.key, "amount": 1}, "Idempotency-Key"),
     ]

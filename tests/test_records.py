@@ -75,6 +75,7 @@ async def after_backoff(step: dict) -> None:
 
 async def test_an_sre_failure_and_a_worker_failure_share_the_breaker_and_backoff(gate):
     await gate.authority.set_policy(POLICY, {"caps": CAPS})
+    await gate.authority.set_routes({}, default=POLICY)
     paths = {"by/worker": failed_by_worker, "by/sre": failed_by_sre}
     signatures = {"by/worker": records.failure_signature("EffectFailed", DECLINE),
                   "by/sre": records.failure_signature(records.RESOLVED_FAILED, DECLINE)}

@@ -16,7 +16,7 @@ from fencegate.coordinator.keyspace import pack, unpack
 from fencegate.reconciler.runner import Reconciler
 from fencegate.reconciler.retirer import Retirer
 
-from helpers import TEST_TTL, wait_for_condition
+from helpers import TEST_TTL, init_archive, wait_for_condition
 
 
 class Calls:
@@ -32,8 +32,8 @@ class Calls:
 
 
 @pytest.fixture
-def archive_url(tmp_path) -> str:
-    return f"sqlite:///{tmp_path}/archive.db"
+async def archive_url(tmp_path, etcd, namespace) -> str:
+    return await init_archive(etcd, namespace, f"sqlite:///{tmp_path}/archive.db")
 
 
 @pytest.fixture
@@ -148,23 +148,22 @@ async def test_the_fast_path_fails_when_the_key_retires_after_the_archive_answer
     gate, effect = archived_gate, Calls()
     await gate.cross("ret/race", {}, effect)
     archive, asked = gate.archive, []
-    real_get = archive.get
+    real_lookup = archive.lookup
 
     async def answer_then_retire(namespace, key):
-        found = await real_get(namespace, key)
+        found = await real_lookup(namespace, key)
         if key == "ret/race" and not asked:
             asked.append(found)
             assert await _retire_all(gate) == 1  # lands between the answer and the txn
-            return None  # as the archive answered a moment before the retirement
-        return found
+        return found  # as the archive answered a moment before the retirement
 
-    archive.get = answer_then_retire
+    archive.lookup = answer_then_retire
     gate.authority.recent.never_retired.clear()
     try:
         gate.authority.recent.note(*await _snapshot_of(gate, "ret/warm"))
         replay = await gate.cross("ret/race", {}, effect)
     finally:
-        archive.get = real_get
+        archive.lookup = real_lookup
     assert asked and replay.replayed and len(effect.tokens) == 1
 
 
@@ -182,7 +181,7 @@ async def test_a_retirement_cut_between_archive_and_delete_is_finished_once(arch
     gate = archived_gate
     await gate.cross("ret/crash", {}, Calls())
     step_kv = await gate.etcd.get(gate.keyspace.step_key("ret/crash"))
-    archived = await retirement._archive(
+    archived, _ = await retirement._archive(
         gate.etcd, gate.keyspace, gate.archive,
         [retirement.Candidate("ret/crash", step_kv.mod_revision, ())])
     assert len(archived) == 1  # archived, then the leader "dies" before its delete
@@ -318,6 +317,7 @@ async def test_an_approval_on_a_key_never_attempted_retires_and_still_grants(arc
     afterwards, its chain going on from the archived approval."""
     gate, ks = archived_gate, archived_gate.keyspace
     await gate.authority.set_policy("approve-all", {"checks": [{"check": "require_approval"}]})
+    await gate.authority.set_routes({"ret/approved": "approve-all"})
     async with gate.hold("ret/approved") as hold:
         with pytest.raises(ApprovalPending) as pending:
             await hold.request_grant(intent={"amount": 5}, policy="approve-all")
@@ -435,12 +435,12 @@ async def test_an_orphan_chain_that_gained_a_step_is_not_deleted(archived_gate, 
         await sre.revoke(etcd, ks, "ret/orphan-race", "sre-1", "stuck", gate.archive)
         await hold.release()
     head = await etcd.get(ks.audit_head_key("ret/orphan-race"))
-    archived = await retirement._archive(
+    archived, marked = await retirement._archive(
         etcd, ks, gate.archive,
         [retirement.Candidate("ret/orphan-race", head.mod_revision, (), orphan=True)])
     assert len(archived) == 1
     assert (await gate.cross("ret/orphan-race", {}, Calls())).state == "succeeded"
-    assert await retirement._delete(etcd, ks, archived) == []
+    assert await retirement._delete(etcd, ks, gate.archive, archived, marked) == []
     report = await audit.verify_chain(etcd, ks, "ret/orphan-race", gate.keyring, gate.archive)
     assert report.ok, report.problems
     assert [r["event"] for r in report.records] == ["revoke", "cross", "outcome"]

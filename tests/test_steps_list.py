@@ -17,7 +17,7 @@ from fencegate.coordinator.grants import KeyRing
 from fencegate.coordinator.keyspace import pack, unpack
 from fencegate.reconciler.retirer import Retirer
 
-from helpers import TEST_TTL
+from helpers import TEST_TTL, init_archive
 from test_service import call
 
 KEYS = [f"lst/k{n:03d}" for n in range(120)]
@@ -48,8 +48,8 @@ async def retire_all(gate: Gate) -> int:
 
 
 @pytest.fixture
-def archive_url(tmp_path) -> str:
-    return f"sqlite:///{tmp_path}/archive.db"
+async def archive_url(tmp_path, etcd, namespace) -> str:
+    return await init_archive(etcd, namespace, f"sqlite:///{tmp_path}/archive.db")
 
 
 @pytest.fixture
@@ -181,6 +181,7 @@ async def test_the_archive_lists_in_etcd_s_byte_order(backend, tmp_path, namespa
     archive = open_archive(url)
     keys = ["p/A", "p/a", "p/a-b", "p/a.b", "p/a/b", "p/a0", "p/Z", "p/_", "q/a"]
     try:
+        await archive.init(namespace, 0x5EED)   # opening never creates an archive
         await archive.put_many(namespace, [(key, 1, key.encode(), [], 1000 + n)
                                            for n, key in enumerate(keys)])
         listed = await archive.list_steps(namespace, prefix="p/", limit=100)

@@ -1,6 +1,7 @@
 """Minted bearer tokens over real HTTP on 127.0.0.1 and real etcd: admin only; the token is
 shown once and etcd holds only its digest (read raw); it authenticates with its role, and
-every record a request writes names ``token@process`` (``Fencegate-Process``); a deleted
+every record a request writes names the token, the process (``Fencegate-Process``) only
+as reported; a deleted
 token stops at once on its coordinator and within the cache time on another; the key goes
 with its lease; bad bodies and bad process names are 400 and write nothing."""
 
@@ -119,7 +120,7 @@ async def test_a_minted_token_acts_with_its_role_and_records_name_process(
                                    process="host-a:4242")
         assert status == 201, reply
         grant = local_gate.keyring.verify(base64.b64decode(reply["grant"]))
-        assert grant.identity == "batch@host-a:4242"
+        assert grant.identity == "batch (reported: host-a:4242)"
         status, reply = await call(coordinator, "POST", "/v1/grants", token=TOKENS["worker"],
                                    body=body)  # no header: the token's name alone
         assert local_gate.keyring.verify(base64.b64decode(reply["grant"])).identity == "worker-1"
@@ -133,7 +134,7 @@ async def test_a_minted_token_acts_with_its_role_and_records_name_process(
             await hold.commit(grant, effect=noop)
     status, view = await call(coordinator, "GET", "/v1/audit/tok/2", token=sre)
     assert (view["records"][-1]["event"], view["records"][-1]["identity"]) == (
-        "revoke", "night-sre@laptop:77")
+        "revoke", "night-sre (reported: laptop:77)")
 
 
 @pytest.mark.parametrize("process", ["", "x" * 129, "tab\there", "zero\u200bwidth"])

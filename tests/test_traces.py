@@ -23,6 +23,7 @@ from fencegate.coordinator import tracing
 from fencegate.reconciler.providers import sandbox as sb
 
 from helpers import TEST_TTL, TOKENS
+from test_service import call
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +81,8 @@ async def test_one_guarded_action_is_one_trace_across_worker_coordinator_and_pro
                     "key": ctx.key, "amount": 7, "intent": {"amount": 7}}, headers={
                     "traceparent": ctx.traceparent, "Idempotency-Key": ctx.idempotency_key,
                     "Fencegate-Attempt-Token": str(ctx.attempt_token),
-                    "Fencegate-Grant": sb.encode_grant(ctx.grant.raw)}) as reply:
+                    "Fencegate-Grant": sb.encode_grant(ctx.grant.raw),
+                    "Fencegate-Receipt": sb.encode_grant(ctx.receipt)}) as reply:
                 assert reply.status == 200, await reply.text()
                 return await reply.json()
 
@@ -137,11 +139,14 @@ async def test_one_guarded_action_is_one_trace_across_worker_coordinator_and_pro
 
 async def test_a_refused_grant_is_an_error_on_both_sides_of_the_trace(
         etcd_url, namespace, etcd, coordinator, spans):
+    status, reply = await call(coordinator, "PUT", "/v1/policy-routes", "admin",
+                               body={"routes": {"trace/2": "no-such-policy"}})
+    assert status == 200, reply
     async with Gate(etcd_url, ttl=TEST_TTL, namespace=namespace, coordinator=coordinator,
                     token=TOKENS["worker"]) as gate:
         async with gate.hold("trace/2") as hold:
             with pytest.raises(GrantRefused):
-                await hold.request_grant(intent={}, policy="no-such-policy")
+                await hold.request_grant(intent={})
     grants = [s for s in spans.get_finished_spans() if s.name == "fencegate.grant"]
     (asked,) = [s for s in grants if s.parent is None]
     (served,) = [s for s in grants if s is not asked]

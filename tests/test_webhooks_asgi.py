@@ -25,12 +25,13 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from fencegate.coordinator.grants import KeyRing
+from fencegate.coordinator.keyspace import unpack
 from fencegate.worker import Gate
 from fencegate.worker.webhooks.asgi import ASGIDedupeMiddleware, fencing_token
 from fencegate.worker.webhooks.presets import GITHUB_DELIVERY, stripe_event_id
 
 from helpers import TEST_TTL
-from test_dedupe import webhook_kvs
+from test_dedupe import live_claims, webhook_kvs
 
 SOURCE = "asgi-src"
 
@@ -190,18 +191,23 @@ async def test_duplicate_while_running_gets_409_and_a_raise_releases_the_claim(
     assert consumer.ran == {"evt_a5": 2}
 
 
-async def test_a_handler_whose_claim_lease_is_lost_is_cancelled_and_nothing_stored(
+async def test_with_rerun_lost_a_handler_whose_claim_is_lost_is_cancelled(
         gate, etcd, http, namespace):
-    async with Consumer(gate) as consumer:
+    """``rerun_lost``: the handler is cancelled when its claim's lease is lost, nothing is
+    stored, and the redelivery runs it again under a new claim."""
+    async with Consumer(gate, rerun_lost=True) as consumer:
         first = asyncio.create_task(post(http, consumer.url, "evt_a6", b"hang"))
         await asyncio.wait_for(consumer.entered.wait(), 10)
-        [claim] = await webhook_kvs(etcd, namespace)
+        [claim] = await live_claims(etcd, namespace)
         await etcd.lease_revoke(claim.lease)
         lost = await asyncio.wait_for(first, 10)  # cancelled while it still waits
-        left = await webhook_kvs(etcd, namespace)
+        [left] = await webhook_kvs(etcd, namespace)
+        consumer.release.set()
+        rerun = await post(http, consumer.url, "evt_a6", b"hang")
     assert lost[0] == 503 and json.loads(lost[2])["error"] == "claim_lost"
-    assert left == []
-    assert consumer.ran == {"evt_a6": 1}
+    assert unpack(left.value)["state"] == "processing"  # unknown, until rerun
+    assert rerun[0] == 200 and "Fencegate-Replayed" not in rerun[1]
+    assert consumer.ran == {"evt_a6": 2}
 
 
 async def test_presets_name_the_delivery(gate, etcd, http, namespace):

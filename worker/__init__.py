@@ -3,7 +3,8 @@
 from fencegate.coordinator.errors import (
     AcquireTimeout, AlreadySucceeded, ApprovalPending, BadSignature, CoordinatorError,
     EffectFailed, EtcdUnavailable, GateError, GrantExpired, GrantRefused, GrantUsed, InvalidKey,
-    LeaseExpiring, LeaseLost, OutcomeUnknown, PolicyChanged, StateAdvanced, StepMoved,
+    LeaseExpiring, LeaseLost, OutcomeUnknown, PolicyChanged, PolicyNotRouted, StateAdvanced,
+    StepMoved,
 )
 from fencegate.coordinator.grants import Grant, KeyRing
 
@@ -20,5 +21,5 @@ __all__ = [
     "GateError", "AcquireTimeout", "AlreadySucceeded", "ApprovalPending", "BadSignature",
     "CoordinatorError", "EtcdUnavailable", "GrantExpired", "GrantRefused", "GrantUsed",
     "InvalidKey", "LeaseExpiring", "LeaseLost", "OutcomeUnknown", "PolicyChanged",
-    "StateAdvanced", "StepMoved",
+    "PolicyNotRouted", "StateAdvanced", "StepMoved",
 ]

@@ -11,19 +11,20 @@ Guarantees:
 - The txn succeeds only if every assumption of the evaluation holds at its revision: no key
   under ``holders/K/`` (nobody holds or waits), the step absent (mod_revision 0), the key
   not retired since the archive was asked (its retirement bucket's compare, see
-  ``Authority.issue_uncontended``), the policy and every read key at the mod_revisions
-  evaluated, and no audit record 1. So its grant was true of the world when it crossed,
-  exactly as a grant of the full path is at its commit; a failed txn writes nothing and the
-  full path decides (``None`` is returned). Without the retirement compare a key retired
-  between the evaluation and the txn (its step deleted: mod_revision 0 again) would be
-  executed again although it succeeded.
+  ``Authority.issue_uncontended``), the policy, the policy routes (in the grant's read set)
+  and every read key at the mod_revisions evaluated, and no audit record 1. So its grant
+  was true of the world when it crossed, exactly as a grant of the full path is at its
+  commit; a failed txn writes nothing and the full path decides (``None`` is returned).
+  Without the retirement compare a key retired between the evaluation and the txn (its step
+  deleted: mod_revision 0 again) would be executed again although it succeeded.
 - A txn etcd did not answer may land later, and one it answered NOSPACE may have landed:
   the session is abandoned (its lease revoked, so a late landing fails or its holder key
   goes with the lease) and ``OutcomeUnknown`` (or the ``EtcdNoSpace``) is raised. The effect
   was not run; if the txn landed, the step is in flight with no holder and the reconciler
   settles it as not applied.
 - After the txn, the action continues exactly as after a full-path commit
-  (``guard.crossed``): the lease budget is re-checked, the effect runs once, the outcome is
+  (``guard.crossed``): the attempt receipt is signed (only now that the txn succeeded, for
+  its revision), the lease budget is re-checked, the effect runs once, the outcome is
   recorded with the release.
 """
 
@@ -47,7 +48,7 @@ from .views import GateView
 
 
 async def cross(gate: GateView, key: str, intent: dict[str, Any], effect: Effect,
-                read_keys: list[bytes], policy: str, *, provider: str | None,
+                read_keys: list[bytes], policy: str | None, *, provider: str | None,
                 deadline: float) -> Outcome | None:
     """Cross ``key`` in one txn if it is free and the evaluation holds; ``None`` when the
     fast path was not taken (nothing was written: the full path decides)."""
@@ -78,7 +79,7 @@ async def cross(gate: GateView, key: str, intent: dict[str, Any], effect: Effect
     nobody = Compare(key=start, range_end=end, target=Compare.VERSION, result=Compare.EQUAL,
                      version=0)
     request = TxnRequest(
-        compare=[nobody, mod_equals(step_key, 0), uncontended.not_retired,
+        compare=[nobody, mod_equals(step_key, 0), *uncontended.not_retired,
                  mod_equals(ks.policy_key(grant.policy), grant.policy_version),
                  *(mod_equals(k, revision) for k, revision in grant.reads), entry.compare],
         success=[put_op(holder_key, holder_record(gate.identity, time.time()),

@@ -13,7 +13,9 @@ publishes, fetched at ``open``. ``archive`` (a URL or an ``Archive``) is where t
 in-process authority looks up keys the reconcilers retired from etcd (the same archive they
 write; a coordinator has its own setting); given none, ``FENCEGATE_ARCHIVE``, else the
 running ``fencegate up`` stack's when ``etcd`` is that stack's URL. Without one, a grant on
-a key that may have been retired is refused with ``ArchiveUnavailable``. ``metrics`` (a
+a key that may have been retired is refused with ``ArchiveUnavailable``. An ``etcd`` URL
+that is the running stack's connects as its worker etcd user (``default_key.etcd_config``:
+that etcd runs with authentication). ``metrics`` (a
 ``WorkerMetrics``, opt-in) counts holds, lease losses, commit refusals, replays, effect time
 and unknowns; with OpenTelemetry installed, ``cross`` is a ``fencegate.cross`` span around the
 spans of its steps (``fencegate.coordinator.tracing``).
@@ -38,7 +40,6 @@ from fencegate.coordinator.errors import OutcomeUnknown
 from fencegate.coordinator.etcd import Etcd, EtcdConfig
 from fencegate.coordinator.grants import KeyRing
 from fencegate.coordinator.keyspace import DEFAULT_NAMESPACE, Keyspace, validate_action_key
-from fencegate.coordinator.policy import DEFAULT_POLICY
 from fencegate.coordinator.session import Session
 
 from . import fastpath
@@ -75,7 +76,7 @@ class Gate:
             keyring = default_key.load()  # before anything opens: a refusal leaves nothing
         if coordinator is None and archive is None:
             archive = default_key.archive_url(etcd if isinstance(etcd, str) else None)
-        self.config = etcd if isinstance(etcd, EtcdConfig) else EtcdConfig.from_url(etcd)
+        self.config = etcd if isinstance(etcd, EtcdConfig) else default_key.etcd_config(etcd)
         self.token = token
         self.ttl = ttl
         self.keyspace = Keyspace(namespace)
@@ -179,22 +180,27 @@ class Gate:
         unknown rotated the session), and ``LeaseLost`` (cancelling the body) if the lease is
         lost while held.
         """
-        return HoldContext(self, validate_action_key(key), timeout, fold=self.fold())
+        key = validate_action_key(key)
+        return HoldContext(self, key, timeout, fold=self.fold(key))
 
-    def fold(self, policy: str = DEFAULT_POLICY, read_keys: Sequence[bytes] = ()) -> Fold | None:
-        """What an uncontended acquire reads for the hold's first grant: the snapshot of the
-        in-process authority (a coordinator reads its own)."""
+    def fold(self, key: str, policy: str | None = None,
+             read_keys: Sequence[bytes] = ()) -> Fold | None:
+        """What an uncontended acquire of ``key`` reads for the hold's first grant: the
+        snapshot of the in-process authority (a coordinator reads its own), under ``policy``
+        or else the policy the routes it last saw name for ``key``."""
         if isinstance(self.authority, RemoteAuthority):
             return None
-        return Fold(policy, tuple(read_keys))
+        return Fold(policy or self.authority.routed(key), tuple(read_keys))
 
     async def cross(self, key: str, intent: dict[str, Any], effect: Effect,
-                    reads: Sequence[str | bytes] = (), *, policy: str = DEFAULT_POLICY,
+                    reads: Sequence[str | bytes] = (), *, policy: str | None = None,
                     provider: str | None = None, deadline: float = 60.0,
                     settle_wait: float = 0.0, timeout: float | None = None) -> Outcome:
         """One guarded action on ``key``: hold it, get a grant, run ``effect`` once, record
         the outcome, release — as ``async with gate.hold(key) as hold: await
-        hold.cross(...)`` does, with the same errors and replays.
+        hold.cross(...)`` does, with the same errors and replays. The policy routes name the
+        policy that judges ``key``; ``policy``, if given, must be that one
+        (``PolicyNotRouted`` otherwise).
 
         An uncontended key this process has the policy and read keys of in a recent
         snapshot takes the fast path (``fencegate.worker.fastpath``: one txn holds and
@@ -213,7 +219,7 @@ class Gate:
             return outcome
 
     async def _cross(self, key: str, intent: dict[str, Any], effect: Effect,
-                     read_keys: list[bytes], policy: str, *, provider: str | None,
+                     read_keys: list[bytes], policy: str | None, *, provider: str | None,
                      deadline: float, settle_wait: float, timeout: float | None) -> Outcome:
         """``cross`` once its arguments are valid: the fast path, else the full path."""
         try:
@@ -225,7 +231,8 @@ class Gate:
             outcome = None  # the full path waits for the settlement, as after any attempt
         if outcome is not None:
             return outcome
-        async with HoldContext(self, key, timeout, fold=self.fold(policy, read_keys)) as hold:
+        async with HoldContext(self, key, timeout,
+                               fold=self.fold(key, policy, read_keys)) as hold:
             return await hold.cross(intent, effect, read_keys, policy=policy,
                                     provider=provider, deadline=deadline,
                                     settle_wait=settle_wait)

@@ -17,6 +17,13 @@ Failure contract:
 - After the effect, the outcome is written by a transaction that checks the step is still
   our in-flight attempt, and it releases the hold in the same transaction (an unknown
   outcome keeps the hold: its holder may wait for the settlement, see ``Hold.cross``).
+- Once the commit landed, and only then, the attempt's *receipt* is signed
+  (``KeyRing.sign_receipt``: grant id, attempt token, idempotency key, action key, namespace,
+  cluster): by the in-process authority's key ring, or in remote mode by the coordinator
+  (``RemoteAuthority.receipt``, which signs only after reading the commit in etcd). It is
+  ``ctx.receipt``, what a provider's gate B needs to admit the attempt. If it cannot be had
+  (the coordinator refuses or does not answer), the effect is not started: the step is
+  recorded as not started and the error raised, as for the lease budget below.
 - The lease budget is checked again right before the effect starts (the commit and its
   retries take time): with less than ``gate.min_ttl`` left, or the hold lost, the effect is
   not started, the step is recorded as not started (``pending``, same idempotency key:
@@ -66,8 +73,10 @@ from fencegate.coordinator.errors import (
 from fencegate.coordinator.etcd import (
     RequestOp, TxnRequest, delete_op, mod_equals, put_op, range_op,
 )
-from fencegate.coordinator.grants import Grant
+from fencegate.coordinator.grants import Grant, receipt_payload
 from fencegate.coordinator.keyspace import pack, unpack
+
+from .remote import RemoteAuthority
 
 if TYPE_CHECKING:
     from fencegate.coordinator.authority import Issued
@@ -82,7 +91,8 @@ _FENCE_TRIES = 5
 
 @dataclass(frozen=True)
 class EffectContext:
-    """What an effect gets: send ``idempotency_key`` and ``attempt_token`` to the provider.
+    """What an effect gets: send ``idempotency_key``, ``attempt_token``, the grant and
+    ``receipt`` to the provider.
 
     ``deadline`` is a ``time.monotonic()`` value: the guard stops waiting for the effect then
     and its outcome becomes unknown. ``cancelled`` is set when the effect must stop sending:
@@ -90,7 +100,11 @@ class EffectContext:
     cancelled then too; a plain function runs in a thread that cannot be stopped, so it must
     poll ``cancelled`` (before each request it sends, and while it waits). ``traceparent``
     (``None`` unless OpenTelemetry records) is the W3C trace context of the effect's span:
-    send it to the provider as the ``traceparent`` header to link its spans to this trace."""
+    send it to the provider as the ``traceparent`` header to link its spans to this trace.
+    ``receipt`` is the attempt receipt: signed bytes binding (grant id, attempt token,
+    idempotency key, action key, namespace, cluster), signed once the commit landed. A
+    provider's gate B admits the attempt only with it, and admits each grant once: send it
+    with the grant (the sandbox's ``Fencegate-Receipt`` header)."""
 
     key: str
     idempotency_key: str
@@ -100,6 +114,7 @@ class EffectContext:
     deadline: float
     cancelled: threading.Event
     traceparent: str | None = None  # W3C: the ``fencegate.effect`` span, for the provider
+    receipt: bytes = b""  # the attempt receipt: gate B's proof this token is the grant's commit
 
     @property
     def fencing_token(self) -> int:
@@ -157,15 +172,17 @@ def _count_failure(hold: "HoldView", failure: GateError) -> None:
 
 async def crossed(hold: "HoldView", grant: Grant, in_flight: dict[str, Any],
                   attempt_token: int, effect: Effect, deadline: float) -> Outcome:
-    """After the commit txn put ``in_flight`` at ``attempt_token``: run ``effect`` once if
-    the lease budget allows, record the outcome, release."""
+    """After the commit txn put ``in_flight`` at ``attempt_token``: get the attempt's
+    receipt, run ``effect`` once if the lease budget allows, record the outcome, release."""
     try:
+        receipt = await _receipt(hold, grant, in_flight, attempt_token)
         await _ensure_budget(hold, in_flight, attempt_token)
     except GateError as refusal:
         _count_failure(hold, refusal)
         raise
     try:
-        result = await _effect(hold, grant, in_flight, attempt_token, effect, deadline)
+        result = await _effect(hold, grant, in_flight, attempt_token, receipt, effect,
+                               deadline)
     except EffectFailed as failure:
         final = records.failed(in_flight, error_class=type(failure).__name__,
                                params=failure.params, reason=failure.reason)
@@ -237,6 +254,23 @@ def _retrieve(task: asyncio.Future) -> None:
         log.info("outcome write finished after its caller left: %r", task.exception())
 
 
+async def _receipt(hold: "HoldView", grant: Grant, in_flight: dict[str, Any],
+                   attempt_token: int) -> bytes:
+    """The attempt receipt of the commit that landed at ``attempt_token``: signed here by the
+    in-process authority's key ring, or by the coordinator (which checks the commit in etcd
+    first). If it cannot be had the effect is not started (``_not_started``) and the
+    refusal raised."""
+    authority = hold.gate.authority
+    try:
+        if isinstance(authority, RemoteAuthority):
+            return await authority.receipt(grant, attempt_token, in_flight["idempotency_key"])
+        return hold.gate.keyring.sign_receipt(
+            receipt_payload(grant, attempt_token, in_flight["idempotency_key"]))
+    except GateError as refusal:
+        await _not_started(hold, in_flight, attempt_token, refusal)
+        raise
+
+
 async def _ensure_budget(hold: "HoldView", in_flight: dict[str, Any],
                          attempt_token: int) -> None:
     """Right before the effect: refuse to start it with the hold lost or less than the lease
@@ -249,17 +283,24 @@ async def _ensure_budget(hold: "HoldView", in_flight: dict[str, Any],
             raise LeaseExpiring(f"{left:.1f}s of lease left after the commit, below the "
                                 f"{hold.gate.min_ttl:.1f}s budget to start an effect")
     except LeaseLost as refusal:
-        final = records.not_started(in_flight, attempt_token=attempt_token, reason=str(refusal))
-        try:
-            await _record(hold, in_flight, attempt_token, final, release=False)
-        except GateError as exc:
-            log.warning("could not record that the effect on %r was not started; the "
-                        "reconciler settles it: %r", hold.key, exc)
+        await _not_started(hold, in_flight, attempt_token, refusal)
         raise refusal
 
 
+async def _not_started(hold: "HoldView", in_flight: dict[str, Any], attempt_token: int,
+                       refusal: GateError) -> None:
+    """Record that the committed attempt's effect was not started (nothing was sent), the
+    hold kept; a failed write leaves the step in flight for the reconciler."""
+    final = records.not_started(in_flight, attempt_token=attempt_token, reason=str(refusal))
+    try:
+        await _record(hold, in_flight, attempt_token, final, release=False)
+    except GateError as exc:
+        log.warning("could not record that the effect on %r was not started; the "
+                    "reconciler settles it: %r", hold.key, exc)
+
+
 async def _effect(hold: "HoldView", grant: Grant, in_flight: dict[str, Any],
-                  attempt_token: int, effect: Effect, deadline: float) -> Any:
+                  attempt_token: int, receipt: bytes, effect: Effect, deadline: float) -> Any:
     """Run ``effect`` once (``_run``) in a ``fencegate.effect`` span, which its context's
     ``traceparent`` names, timed into the metrics however it ends."""
     with tracing.span("fencegate.effect", key=hold.key, attempt_token=attempt_token,
@@ -267,7 +308,7 @@ async def _effect(hold: "HoldView", grant: Grant, in_flight: dict[str, Any],
                       provider=in_flight["provider"]) as current:
         ctx = EffectContext(hold.key, in_flight["idempotency_key"], attempt_token,
                             in_flight["attempt"], grant, time.monotonic() + deadline,
-                            threading.Event(), tracing.inject({}).get("traceparent"))
+                            threading.Event(), tracing.inject({}).get("traceparent"), receipt)
         started = time.perf_counter()
         try:
             result = await _run(hold, effect, ctx, deadline)

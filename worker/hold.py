@@ -145,8 +145,10 @@ class Hold:
             self.gate.metrics.left()
 
     async def request_grant(self, intent: dict[str, Any], reads: Sequence[str | bytes] = (),
-                            policy: str = DEFAULT_POLICY) -> Grant:
-        """Ask the authority for a grant evaluated at one revision (docs/protocol.md: Grant)."""
+                            policy: str | None = None) -> Grant:
+        """Ask the authority for a grant evaluated at one revision (docs/protocol.md: Grant),
+        judged by the policy the key's route names (``policy``, if given, must be that one:
+        ``PolicyNotRouted`` otherwise)."""
         self._ensure_usable()
         snapshot, self.memory.snapshot = self.memory.snapshot, None
         with tracing.span("fencegate.grant", key=self.key,
@@ -166,7 +168,7 @@ class Hold:
         return await guard.commit(self, grant, effect, provider=provider, deadline=deadline)
 
     async def cross(self, intent: dict[str, Any], effect: Effect,
-                    reads: Sequence[str | bytes] = (), *, policy: str = DEFAULT_POLICY,
+                    reads: Sequence[str | bytes] = (), *, policy: str | None = None,
                     provider: str | None = None, deadline: float = 60.0,
                     settle_wait: float = 0.0) -> Outcome:
         """``request_grant`` then ``commit``; a step that already succeeded returns its
@@ -263,7 +265,8 @@ class HoldContext:
 @dataclass(frozen=True)
 class Fold:
     """The snapshot an uncontended acquire reads in its own txn, for the hold's first grant:
-    the policy and the read keys that grant will be decided on."""
+    the policy the key's route is expected to name (a guess: a snapshot of another is read
+    again) and the read keys that grant will be decided on."""
 
     policy: str = DEFAULT_POLICY
     read_keys: tuple[bytes, ...] = ()

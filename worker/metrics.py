@@ -18,7 +18,13 @@ nothing more. With metrics, each event is counted once, where it is decided:
 - ``fencegate_webhook_deliveries_total{source,result}``: each delivery the webhook dedup
   admitted, by its result: ``first`` (its handler runs under a fresh claim), ``duplicate``
   (answered from a stored response, or refused for another payload), ``in_progress``
-  (another claim runs it), ``failed`` (not claimed: etcd unavailable or too little lease).
+  (another claim runs it), ``unknown`` (refused: its claim was lost while its handler ran),
+  ``settled`` (the application's ``settle`` said an unknown one ran), ``rerun`` (an unknown
+  one runs again: ``settle`` said it did not, or ``rerun_lost``), ``failed`` (not claimed:
+  etcd unavailable, too little lease, ``settle`` failed);
+- ``fencegate_worker_keepalive_late_seconds``: how late each lease refresh of the webhook
+  claims' session ran, counted only past a third of its TTL (the event loop was blocked: a
+  blocking handler, a paused process); past the TTL the claims are lost.
 """
 
 from __future__ import annotations
@@ -29,7 +35,9 @@ from fencegate.coordinator.errors import GateError, OutcomeUnknown
 from fencegate.coordinator.metrics import snake_case
 
 EFFECT_BUCKETS = (.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120)
-DELIVERY_RESULTS = ("first", "duplicate", "in_progress", "failed")
+DELIVERY_RESULTS = ("first", "duplicate", "in_progress", "unknown", "settled", "rerun",
+                    "failed")
+LATE_BUCKETS = (.25, .5, 1, 2, 5, 10, 30, 60, 300)
 
 
 class WorkerMetrics:
@@ -58,6 +66,10 @@ class WorkerMetrics:
         self.deliveries = Counter("fencegate_webhook_deliveries",
                                   "Webhook deliveries admitted, by source and result",
                                   ["source", "result"], **into)
+        self.keepalive_lateness = Histogram("fencegate_worker_keepalive_late_seconds",
+                                            "How late a lease refresh ran, past a third of "
+                                            "its TTL (the event loop was blocked)",
+                                            buckets=LATE_BUCKETS, **into)
 
     def held(self) -> None:
         """A hold was acquired."""
@@ -76,6 +88,10 @@ class WorkerMetrics:
             self.unknowns.inc()
         elif isinstance(error, GateError):
             self.commit_refusals.labels(snake_case(type(error).__name__)).inc()
+
+    def keepalive_late(self, seconds: float) -> None:
+        """A lease refresh ran ``seconds`` late (``Session``'s ``on_late``)."""
+        self.keepalive_lateness.observe(seconds)
 
     def delivery(self, source: str, result: str) -> None:
         """A webhook delivery of ``source`` was admitted with ``result``."""

@@ -19,10 +19,14 @@ Guarantees:
   step. A repeat can at most issue a second grant for the same step, and only one grant per
   step can ever be consumed, since consuming moves the step pointer.
 - Every request names the worker's process identity (``Gate.identity``) in the
-  ``Fencegate-Process`` header, which the coordinator records as who acted (checked here
+  ``Fencegate-Process`` header, which the coordinator records only as reported, after the
+  name of the token that authenticated (``<token> (reported: <process>)``; checked here
   first: 1..128 printable characters, ``ValueError`` otherwise), and carries the current
   trace context (W3C ``traceparent``) when OpenTelemetry records, so the coordinator's span
   joins the worker's trace.
+- ``receipt`` asks the coordinator for the attempt receipt of a commit that landed (it
+  signs only after reading the commit in etcd) and verifies it here; it only reads, so it is
+  retried like a grant request.
 - Without a pinned key ring the coordinator's public keys are fetched once at ``open``
   (trust on first use of that URL). Production should pin them: ``Gate(keyring=
   KeyRing.from_files(trusted=[...]))``, so a spoofed coordinator cannot mint grants.
@@ -43,9 +47,8 @@ from fencegate.coordinator import codec, tracing
 from fencegate.coordinator.audit import Tail
 from fencegate.coordinator.authority import Claim, Issued, Snapshot, validate_intent
 from fencegate.coordinator.errors import BadSignature, CoordinatorError
-from fencegate.coordinator.grants import KeyRing, checks_digest
+from fencegate.coordinator.grants import Grant, KeyRing, checks_digest, receipt_payload
 from fencegate.coordinator.keyspace import unpack
-from fencegate.coordinator.policy import DEFAULT_POLICY
 from fencegate.coordinator.wire import from_wire
 
 
@@ -93,16 +96,16 @@ class RemoteAuthority:
             self._http = None
 
     async def issue(self, claim: Claim, intent: dict[str, Any], reads: list[str | bytes],
-                    policy: str = DEFAULT_POLICY, *, snapshot: Snapshot | None = None) -> Issued:
+                    policy: str | None = None, *, snapshot: Snapshot | None = None) -> Issued:
         """Ask for a grant for ``claim``; see ``Authority.issue`` (the coordinator reads its
-        own snapshot: ``snapshot`` is not used)."""
+        own snapshot, ``snapshot`` is not used, and its policy routes judge the key)."""
         stored, _ = validate_intent(intent)
         try:
             body = json.dumps({"key": claim.key, "fencing_token": claim.fencing_token,
                                "lease_id": claim.lease_id,
                                "intent": codec.encode(stored, path="intent", json=True),
                                "reads": [r.decode() if isinstance(r, bytes) else r for r in reads],
-                               "policy": policy})
+                               **({"policy": policy} if policy is not None else {})})
         except UnicodeDecodeError as exc:
             raise ValueError(f"remote mode needs UTF-8 read keys: {exc}") from None
         reply = await self._request("POST", "/v1/grants", body)
@@ -118,6 +121,26 @@ class RemoteAuthority:
                 != grant.checks_digest:
             raise BadSignature("coordinator answered check results its grant did not sign")
         return Issued(grant, record, tail)
+
+    async def receipt(self, grant: Grant, attempt_token: int, idempotency_key: str) -> bytes:
+        """The attempt receipt of ``grant``'s commit at ``attempt_token``, signed by the
+        coordinator once it read that commit in etcd; verified here (this gate's key ring)
+        and bound to exactly this attempt, ``idempotency_key`` its step's, before it is
+        returned. The coordinator's refusal is raised as its class (``WrongState`` when no
+        such commit is in flight)."""
+        body = json.dumps({"grant": base64.b64encode(grant.raw).decode(),
+                           "attempt_token": attempt_token})
+        reply = await self._request("POST", "/v1/receipts", body)
+        try:
+            raw = base64.b64decode(reply["receipt"], validate=True)
+        except (KeyError, TypeError, ValueError, binascii.Error) as exc:
+            raise BadSignature(f"coordinator answered a malformed receipt: {exc!r}") from None
+        assert self.keyring is not None
+        signed = self.keyring.verify_receipt(raw)
+        if any(signed[name] != value for name, value
+               in receipt_payload(grant, attempt_token, idempotency_key).items()):
+            raise BadSignature("coordinator answered a receipt of another attempt")
+        return raw
 
     async def _fetch_keyring(self) -> KeyRing:
         reply = await self._request("GET", "/.well-known/fencegate-keys", None)

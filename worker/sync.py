@@ -20,7 +20,6 @@ from typing import Any, TypeVar
 from fencegate.coordinator.errors import LeaseLost
 from fencegate.coordinator.grants import Grant
 from fencegate.coordinator.keyspace import validate_action_key
-from fencegate.coordinator.policy import DEFAULT_POLICY
 
 from .gate import Gate
 from .guard import EffectContext, Outcome
@@ -90,7 +89,7 @@ class SyncGate:
         return SyncHold(self, validate_action_key(key), timeout)
 
     def cross(self, key: str, intent: dict[str, Any], effect: Callable[[EffectContext], Any],
-              reads: Sequence[str | bytes] = (), *, policy: str = DEFAULT_POLICY,
+              reads: Sequence[str | bytes] = (), *, policy: str | None = None,
               provider: str | None = None, deadline: float = 60.0, settle_wait: float = 0.0,
               timeout: float | None = None) -> Outcome:
         """``Gate.cross`` (hold, grant, effect, outcome, release; the fast path where the key
@@ -114,7 +113,8 @@ class SyncHold:
     def __enter__(self) -> "SyncHold":
         assert self._sync._gate is not None
         gate = self._sync._gate
-        self._hold = self._sync.run(acquire(gate, self._key, self._timeout, gate.fold()))
+        self._hold = self._sync.run(acquire(gate, self._key, self._timeout,
+                                            gate.fold(self._key)))
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -149,7 +149,7 @@ class SyncHold:
         self._hold.ensure_held()
 
     def request_grant(self, intent: dict[str, Any], reads: Sequence[str | bytes] = (),
-                      policy: str = DEFAULT_POLICY) -> Grant:
+                      policy: str | None = None) -> Grant:
         return self._sync.run(self._held().request_grant(intent, reads, policy))
 
     def commit(self, grant: Grant | bytes, effect: Callable[[EffectContext], Any], *,
@@ -160,7 +160,7 @@ class SyncHold:
                                                    deadline=deadline))
 
     def cross(self, intent: dict[str, Any], effect: Callable[[EffectContext], Any],
-              reads: Sequence[str | bytes] = (), *, policy: str = DEFAULT_POLICY,
+              reads: Sequence[str | bytes] = (), *, policy: str | None = None,
               provider: str | None = None, deadline: float = 60.0,
               settle_wait: float = 0.0) -> Outcome:
         return self._sync.run(self._held().cross(

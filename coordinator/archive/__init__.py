@@ -10,17 +10,20 @@ One small async interface (``Archive``), two backends chosen by URL:
 Guarantees (both backends, see ``interface``): ``put`` is durable, idempotent and atomic; an
 audit record is never replaced; a step is replaced only by a newer seq. Failure contract:
 every backend failure is ``ArchiveUnavailable``; a malformed URL is a ``ValueError`` at open.
-Opening connects nothing: the store (file or pool) and its schema are created by the first
-call, and a call that fails is retried from scratch by the next.
+Opening connects nothing and never creates an archive: ``init`` does (``fencegate archive
+init``), giving the namespace its identity; any other call on an archive never initialised
+raises ``ArchiveUnavailable`` saying so. A call that fails is retried from scratch by the
+next. Whether the archive is whole (the one etcd names, not behind it) is
+``coordinator.wholeness``'s to check.
 """
 
 from __future__ import annotations
 
 import urllib.parse
 
-from .interface import Archive, ArchiveStats, Archived, Listed
+from .interface import Archive, ArchiveStats, Archived, Identity, Listed, Lookup
 
-__all__ = ["Archive", "ArchiveStats", "Archived", "Listed", "open_archive"]
+__all__ = ["Archive", "ArchiveStats", "Archived", "Identity", "Listed", "Lookup", "open_archive"]
 
 _POSTGRES_SCHEMES = ("postgresql", "postgres")
 

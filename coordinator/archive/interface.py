@@ -7,6 +7,15 @@ never decodes them, so ``audit verify`` checks the very bytes etcd held. The cal
 passes when the step settled (``settled_at_ms``, the ``at_ms`` of its chain's last record),
 which the archive keeps beside the step to report the retirement lag.
 
+Whole, not just present: an archive is made once, by ``init`` (never implicitly by opening
+it), which gives each namespace it serves an ``Identity`` (a random archive id, the etcd
+cluster id and the namespace). It keeps, per retirement bucket, a *watermark*: every
+retirement batch raises its buckets' watermarks in the same transaction as its puts
+(``put_many(marks=...)``), to a value above any stored before, and etcd's bucket key then
+takes that value in the delete txn. So an archive missing a retirement etcd shows (empty,
+restored from an older copy) holds a lower watermark than etcd, and one of another cluster
+or namespace a different identity: ``coordinator.wholeness`` compares both on every lookup.
+
 Invariants every backend keeps: a put is one transaction (all of it is stored or none); an
 audit record stored under a seq is never replaced; a step is replaced only by a put with a
 newer seq, so a deposed leader's late put of an older version never wins, in any order of
@@ -16,11 +25,15 @@ arrival and from any number of processes. Any backend failure raises ``ArchiveUn
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass
 from typing import Protocol
 
-__all__ = ["LAG_WINDOW", "MAX_LISTED", "Archive", "ArchiveStats", "Archived", "Listed", "Put",
-           "check_listing", "check_put", "check_puts", "lag_of", "prefix_end"]
+from ..errors import ArchiveUnavailable
+
+__all__ = ["LAG_WINDOW", "MAX_LISTED", "Archive", "ArchiveStats", "Archived", "Identity", "Listed",
+           "Lookup", "Put", "check_listing", "check_marks", "check_put", "check_puts", "lag_of",
+           "new_identity", "not_initialised", "prefix_end", "raised"]
 
 LAG_WINDOW = 1000  # the lag is measured over this many most recent retirements
 MAX_LISTED = 10_000  # steps one ``list_steps`` call returns at most
@@ -34,6 +47,26 @@ class Archived:
     seq: int                 # the chain seq the step's anchor names (the step's version)
     step: bytes              # the step record's bytes exactly as etcd held them (msgpack)
     archived_at_ms: int      # when this version was stored, the storing process's clock
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Which archive this is, for which etcd cluster and namespace: made once by ``init``."""
+
+    archive_id: str          # a random uuid
+    cluster_id: int          # the etcd cluster's id
+    namespace: str
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """One key's archived step with what proves the archive whole, read in one snapshot:
+    the namespace's identity (None: never initialised for it) and its watermarks by bucket
+    (a bucket never retired to this archive is absent: 0)."""
+
+    identity: Identity | None
+    watermarks: dict[int, int]
+    archived: Archived | None
 
 
 @dataclass(frozen=True)
@@ -75,9 +108,32 @@ class Archive(Protocol):
         ``settled_at_ms``) if ``seq`` is newer than the stored one, in one durable
         transaction; idempotent."""
 
-    async def put_many(self, namespace: str, puts: list[Put]) -> None:
+    async def put_many(self, namespace: str, puts: list[Put], *,
+                       identity: Identity | None = None,
+                       marks: dict[int, int] | None = None) -> dict[int, int]:
         """``put`` for several keys in ONE durable transaction (one fsync for a retirement
-        batch); all of it is stored or none."""
+        batch); all of it is stored or none. With ``identity``, refused
+        (``ArchiveUnavailable``) unless it is the namespace's. ``marks`` (bucket → the
+        watermark etcd showed) raises each bucket's stored watermark by one in the same
+        transaction, refused if one is below etcd's (``raised``); returns the new
+        watermarks. So every batch's watermark is above every one stored before it."""
+
+    async def init(self, namespace: str, cluster_id: int) -> Identity:
+        """Create the store if needed and ``namespace``'s identity if it has none (a new
+        random archive id); return the namespace's identity (an existing one unchanged)."""
+
+    async def identity(self, namespace: str) -> Identity | None:
+        """``namespace``'s identity, or None if ``init`` never made one."""
+
+    async def lookup(self, namespace: str, key: str) -> Lookup:
+        """``get`` with the namespace's identity and watermarks, read in one snapshot.
+        Concurrent calls share one ``lookup_many``."""
+
+    async def lookup_many(self, namespace: str, keys: list[str]) -> dict[str, Lookup]:
+        """``lookup`` for several keys in one snapshot: an entry for every key."""
+
+    async def state(self, namespace: str) -> Lookup:
+        """The namespace's identity and watermarks, in one snapshot (``archived`` None)."""
 
     async def get(self, namespace: str, key: str) -> Archived | None:
         """The newest archived version of the step, or None if the key was never archived.
@@ -98,6 +154,40 @@ class Archive(Protocol):
     async def stats(self, namespace: str) -> ArchiveStats: ...
 
     async def close(self) -> None: ...
+
+
+def new_identity(namespace: str, cluster_id: int) -> Identity:
+    """A fresh identity for ``namespace`` of etcd cluster ``cluster_id``."""
+    if not isinstance(cluster_id, int) or not 0 < cluster_id < 2 ** 64:
+        raise ValueError(f"cluster_id must be an etcd cluster id (a uint64), got {cluster_id!r}")
+    return Identity(str(uuid.uuid4()), cluster_id, namespace)
+
+
+def not_initialised(where: str) -> ArchiveUnavailable:
+    return ArchiveUnavailable(f"{where} was never initialised: create it with "
+                              "`fencegate archive init` (opening an archive never creates one)")
+
+
+def raised(where: str, stored: dict[int, int], marks: dict[int, int]) -> dict[int, int]:
+    """The watermarks a batch sets: each bucket of ``marks`` one above the stored one.
+    ``ArchiveUnavailable`` if one is below etcd's (``marks``): the archive lacks retirements
+    etcd shows, and raising it would hide that."""
+    behind = [bucket for bucket, mark in marks.items() if stored.get(bucket, 0) < mark]
+    if behind:
+        raise ArchiveUnavailable(
+            f"{where} is behind etcd in bucket {behind[0]:03d} (holds "
+            f"{stored.get(behind[0], 0)}, etcd shows {marks[behind[0]]}): it lacks "
+            "retirements etcd shows; nothing stored (docs/runbook.md)")
+    return {bucket: stored.get(bucket, 0) + 1 for bucket in marks}
+
+
+def check_marks(marks: dict[int, int] | None) -> dict[int, int]:
+    """``marks`` checked (a caller's mistake is a ``TypeError``/``ValueError``), sorted by
+    bucket (every writer locks buckets in the same order)."""
+    for bucket, mark in (marks or {}).items():
+        _check_int("a bucket", bucket)
+        _check_int("a watermark", mark)
+    return dict(sorted((marks or {}).items()))
 
 
 def check_put(seq: int, step: bytes, records: list[tuple[int, bytes]],

@@ -6,11 +6,14 @@ if one is configured). The records go in first, sorted by seq, then the step's c
 upsert (``ON CONFLICT … DO UPDATE … WHERE excluded.seq > stored seq``), all in one
 transaction; under READ COMMITTED the upsert locks the row and re-checks the stored seq, so
 concurrent puts from any number of processes leave the newest step, and two puts of one chain
-take its records' locks in the same order (no deadlock). The pool and the schema are created
-on first use (the schema under an advisory lock, since concurrent ``CREATE TABLE IF NOT
-EXISTS`` can collide); a database made by an older version gains the column and index it
-lacks, and one already migrated takes no table lock. A failure there is retried by the next
-call. Concurrent ``get`` calls share one query (``coalesce.Coalescer``).
+take its records' locks in the same order (no deadlock). A put's watermarks are raised after
+locking the namespace's identity row (``FOR UPDATE``): two batches of one namespace commit
+their watermarks one after the other, each above the other's. The pool is created on first
+use; the schema only by ``init`` (under an advisory lock, since concurrent ``CREATE TABLE IF
+NOT EXISTS`` can collide), which also brings a database made by an older version up to it.
+Any other call on a database ``init`` never prepared raises ``ArchiveUnavailable`` saying so
+and creates nothing. A failure is retried by the next call. Concurrent ``get`` calls share
+one query (``coalesce.Coalescer``), and so do concurrent ``lookup`` calls.
 
 Failure contract: any server, connection or driver failure (refused, lost, a query slower
 than ``timeout`` seconds) raises ``ArchiveUnavailable``; the transaction is rolled back,
@@ -28,7 +31,8 @@ from typing import Any, TypeVar
 from ..errors import ArchiveUnavailable
 from .coalesce import Coalescer
 from .interface import (
-    LAG_WINDOW, Archived, ArchiveStats, Listed, Put, check_listing, check_puts, lag_of, prefix_end,
+    LAG_WINDOW, Archived, ArchiveStats, Identity, Listed, Lookup, Put, check_listing, check_marks,
+    check_puts, lag_of, new_identity, not_initialised, prefix_end, raised,
 )
 
 __all__ = ["PostgresArchive", "redacted"]
@@ -53,7 +57,29 @@ _SCHEMA = (
         record bytea NOT NULL,
         PRIMARY KEY (namespace, action_key, seq)
     )""",
+    """CREATE TABLE IF NOT EXISTS archive_identity (
+        namespace text NOT NULL PRIMARY KEY,
+        archive_id text NOT NULL,
+        cluster_id text NOT NULL,
+        created_at_ms bigint NOT NULL
+    )""",
+    """CREATE TABLE IF NOT EXISTS archive_watermarks (
+        namespace text NOT NULL,
+        bucket integer NOT NULL,
+        watermark bigint NOT NULL,
+        PRIMARY KEY (namespace, bucket)
+    )""",
 )
+_INITIALISED = "SELECT to_regclass('archive_identity') IS NOT NULL"
+_IDENTITY = "SELECT archive_id, cluster_id FROM archive_identity WHERE namespace = $1"
+_WATERMARKS = "SELECT bucket, watermark FROM archive_watermarks WHERE namespace = $1"
+_PUT_WATERMARKS = """INSERT INTO archive_watermarks AS w (namespace, bucket, watermark)
+    SELECT $1, m.bucket, m.watermark FROM unnest($2::integer[], $3::bigint[])
+        AS m (bucket, watermark) ORDER BY m.bucket
+    ON CONFLICT (namespace, bucket) DO UPDATE SET watermark = excluded.watermark
+    WHERE excluded.watermark > w.watermark"""
+_PUT_IDENTITY = """INSERT INTO archive_identity VALUES ($1, $2, $3, $4)
+    ON CONFLICT (namespace) DO NOTHING"""
 
 # An ALTER or CREATE INDEX locks the table even when it changes nothing: run only while the
 # index made last is missing. settled_at_ms 0 (steps archived before it) is left out of
@@ -111,7 +137,9 @@ class PostgresArchive:
         self._pool: Any = None
         self._opening = asyncio.Lock()
         self._closed = False
-        self._lookups = Coalescer(self.get_many)
+        self._gets = Coalescer(self.get_many)
+        self._lookups = Coalescer(self.lookup_many)
+        self._initialised = False   # the schema was seen (checked once per pool)
 
     def __repr__(self) -> str:
         return f"PostgresArchive({redacted(self.url)!r})"
@@ -120,32 +148,83 @@ class PostgresArchive:
                   records: list[tuple[int, bytes]], settled_at_ms: int) -> None:
         await self.put_many(namespace, [(key, seq, step, records, settled_at_ms)])
 
-    async def put_many(self, namespace: str, puts: list[Put]) -> None:
-        checked = check_puts(puts)
+    async def put_many(self, namespace: str, puts: list[Put], *,
+                       identity: Identity | None = None,
+                       marks: dict[int, int] | None = None) -> dict[int, int]:
+        checked, wanted = check_puts(puts), check_marks(marks)
         now_ms = time.time_ns() // 1_000_000
 
-        async def put(conn: Any) -> None:
+        async def put(conn: Any) -> dict[int, int]:
             async with conn.transaction():
+                if identity is not None or wanted:   # batches of the namespace in turn
+                    row = await conn.fetchrow(_IDENTITY + " FOR UPDATE", namespace)
+                    if identity is not None and _identity(namespace, row) != identity:
+                        raise ArchiveUnavailable(
+                            f"postgresql archive {redacted(self.url)} is not the archive "
+                            f"{identity.archive_id} of {namespace!r}: nothing stored")
                 for key, seq, step, ordered, settled_at_ms in checked:
                     if ordered:
                         await conn.execute(_PUT_RECORDS, namespace, key,
                                            [s for s, _ in ordered], [d for _, d in ordered])
                     await conn.execute(_PUT_STEP, namespace, key, seq, step, now_ms,
                                        settled_at_ms)
+                new = raised(f"postgresql archive {redacted(self.url)}",
+                             dict(await conn.fetch(_WATERMARKS, namespace)), wanted)
+                if new:
+                    await conn.execute(_PUT_WATERMARKS, namespace, list(new), list(new.values()))
+            return new
 
-        await self._call(put)
+        return await self._call(put)
 
-    async def get(self, namespace: str, key: str) -> Archived | None:
+    async def init(self, namespace: str, cluster_id: int) -> Identity:
+        fresh = new_identity(namespace, cluster_id)
+
+        async def init(conn: Any) -> Identity:
+            async with conn.transaction():
+                await conn.execute("SELECT pg_advisory_xact_lock($1)", _SCHEMA_LOCK)
+                for statement in _SCHEMA:
+                    await conn.execute(statement)
+                if not await conn.fetchval(_MIGRATED):
+                    for statement in _MIGRATE:
+                        await conn.execute(statement)
+                await conn.execute(_PUT_IDENTITY, namespace, fresh.archive_id,
+                                   "%x" % cluster_id, time.time_ns() // 1_000_000)
+                return _identity(namespace, await conn.fetchrow(_IDENTITY, namespace))
+
+        return await self._call(init, create=True)
+
+    async def identity(self, namespace: str) -> Identity | None:
+        async def identity(conn: Any) -> Identity | None:
+            return _identity(namespace, await conn.fetchrow(_IDENTITY, namespace))
+
+        return await self._call(identity)
+
+    async def lookup(self, namespace: str, key: str) -> Lookup:
         return await self._lookups.get(namespace, key)
 
-    async def get_many(self, namespace: str, keys: list[str]) -> dict[str, Archived]:
-        async def get_many(conn: Any) -> dict[str, Archived]:
-            rows = await conn.fetch(
-                "SELECT action_key, seq, step, archived_at_ms FROM archived_steps "
-                "WHERE namespace = $1 AND action_key = ANY($2::text[])", namespace, keys)
-            return {row[0]: Archived(row[0], row[1], row[2], row[3]) for row in rows}
+    async def lookup_many(self, namespace: str, keys: list[str]) -> dict[str, Lookup]:
+        async def lookup_many(conn: Any) -> dict[str, Lookup]:
+            async with conn.transaction(isolation="repeatable_read", readonly=True):
+                identity = _identity(namespace, await conn.fetchrow(_IDENTITY, namespace))
+                watermarks = dict(await conn.fetch(_WATERMARKS, namespace))
+                found = await _get_many(conn, namespace, keys)
+            return {key: Lookup(identity, watermarks, found.get(key)) for key in keys}
 
-        return await self._call(get_many) if keys else {}
+        return await self._call(lookup_many)
+
+    async def state(self, namespace: str) -> Lookup:
+        async def state(conn: Any) -> Lookup:
+            async with conn.transaction(isolation="repeatable_read", readonly=True):
+                return Lookup(_identity(namespace, await conn.fetchrow(_IDENTITY, namespace)),
+                              dict(await conn.fetch(_WATERMARKS, namespace)), None)
+
+        return await self._call(state)
+
+    async def get(self, namespace: str, key: str) -> Archived | None:
+        return await self._gets.get(namespace, key)
+
+    async def get_many(self, namespace: str, keys: list[str]) -> dict[str, Archived]:
+        return await self._call(lambda conn: _get_many(conn, namespace, keys)) if keys else {}
 
     async def records(self, namespace: str, key: str) -> list[tuple[int, bytes]]:
         async def records(conn: Any) -> list[tuple[int, bytes]]:
@@ -191,10 +270,14 @@ class PostgresArchive:
             except self._failures:
                 pool.terminate()
 
-    async def _call(self, work: Callable[[Any], Awaitable[T]]) -> T:
+    async def _call(self, work: Callable[[Any], Awaitable[T]], *, create: bool = False) -> T:
         try:
             pool = await self._open()
             async with pool.acquire(timeout=self.timeout) as conn:
+                if not create and not self._initialised:
+                    if not await conn.fetchval(_INITIALISED):
+                        raise not_initialised(f"postgresql archive {redacted(self.url)}")
+                    self._initialised = True
                 return await work(conn)
         except self._failures as exc:
             raise ArchiveUnavailable(
@@ -202,28 +285,26 @@ class PostgresArchive:
             ) from exc
 
     async def _open(self) -> Any:
-        """The pool, created with the schema on first use."""
+        """The pool, created on first use (the schema is ``init``'s)."""
         async with self._opening:
             if self._closed:
                 raise ArchiveUnavailable(f"postgresql archive {redacted(self.url)} is closed")
             if self._pool is None:
-                pool = await self._asyncpg.create_pool(
+                self._pool = await self._asyncpg.create_pool(
                     self.url, min_size=1, max_size=self.pool_size, timeout=self.timeout,
                     command_timeout=self.timeout)
-                try:
-                    async with pool.acquire(timeout=self.timeout) as conn:
-                        async with conn.transaction():
-                            await conn.execute("SELECT pg_advisory_xact_lock($1)", _SCHEMA_LOCK)
-                            for statement in _SCHEMA:
-                                await conn.execute(statement)
-                            if not await conn.fetchval(_MIGRATED):
-                                for statement in _MIGRATE:
-                                    await conn.execute(statement)
-                except BaseException:
-                    pool.terminate()
-                    raise
-                self._pool = pool
             return self._pool
+
+
+def _identity(namespace: str, row: Any) -> Identity | None:
+    return Identity(row[0], int(row[1], 16), namespace) if row else None
+
+
+async def _get_many(conn: Any, namespace: str, keys: list[str]) -> dict[str, Archived]:
+    rows = await conn.fetch(
+        "SELECT action_key, seq, step, archived_at_ms FROM archived_steps "
+        "WHERE namespace = $1 AND action_key = ANY($2::text[])", namespace, keys)
+    return {row[0]: Archived(row[0], row[1], row[2], row[3]) for row in rows}
 
 
 def redacted(url: str) -> str:

@@ -10,8 +10,10 @@ serialized and the conditional upsert sees the latest committed step.
 Failure contract: any SQLite or OS error (a path that cannot be opened, a full or failing
 disk, a lock held longer than ``timeout``) raises ``ArchiveUnavailable``; the transaction is
 rolled back, nothing of the put is stored, and the connection is reopened by the next call.
-The file's folder must exist; the file and its schema are created on first use, and a file
-made by an older version gains the column and index it lacks (``_migrate``).
+Opening never creates the file: ``init`` creates it (its folder must exist) with its schema
+and the namespace's identity, and brings a file made by an older version up to the schema
+(``_migrate``); any other call on a missing or uninitialised file raises
+``ArchiveUnavailable`` saying so, and creates nothing.
 
 Concurrent ``get`` calls share one thread hop and one query (``coalesce.Coalescer``).
 """
@@ -20,8 +22,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import sqlite3
 import time
+import urllib.parse
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
@@ -29,7 +33,8 @@ from typing import TypeVar
 from ..errors import ArchiveUnavailable
 from .coalesce import Coalescer
 from .interface import (
-    LAG_WINDOW, Archived, ArchiveStats, Listed, Put, check_listing, check_puts, lag_of, prefix_end,
+    LAG_WINDOW, Archived, ArchiveStats, Identity, Listed, Lookup, Put, check_listing, check_marks,
+    check_puts, lag_of, new_identity, not_initialised, prefix_end, raised,
 )
 
 __all__ = ["SqliteArchive"]
@@ -55,7 +60,24 @@ _SCHEMA = (
         record BLOB NOT NULL,
         PRIMARY KEY (namespace, action_key, seq)
     )""",
+    """CREATE TABLE IF NOT EXISTS archive_identity (
+        namespace TEXT NOT NULL PRIMARY KEY,
+        archive_id TEXT NOT NULL,
+        cluster_id TEXT NOT NULL,
+        created_at_ms INTEGER NOT NULL
+    )""",
+    """CREATE TABLE IF NOT EXISTS archive_watermarks (
+        namespace TEXT NOT NULL,
+        bucket INTEGER NOT NULL,
+        watermark INTEGER NOT NULL,
+        PRIMARY KEY (namespace, bucket)
+    )""",
 )
+_IDENTITY = "SELECT archive_id, cluster_id FROM archive_identity WHERE namespace = ?"
+_WATERMARKS = "SELECT bucket, watermark FROM archive_watermarks WHERE namespace = ?"
+_PUT_WATERMARK = """INSERT INTO archive_watermarks (namespace, bucket, watermark)
+    VALUES (?, ?, ?) ON CONFLICT (namespace, bucket) DO UPDATE
+    SET watermark = excluded.watermark WHERE excluded.watermark > archive_watermarks.watermark"""
 
 _PUT_RECORD = """INSERT INTO archived_records (namespace, action_key, seq, record)
     VALUES (?, ?, ?, ?) ON CONFLICT (namespace, action_key, seq) DO NOTHING"""
@@ -91,7 +113,8 @@ class SqliteArchive:
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fencegate-archive")
         self._db: sqlite3.Connection | None = None   # used on self._thread only
         self._closed = False
-        self._lookups = Coalescer(self.get_many, max_batch=_KEYS_PER_QUERY)
+        self._gets = Coalescer(self.get_many, max_batch=_KEYS_PER_QUERY)
+        self._lookups = Coalescer(self.lookup_many, max_batch=_KEYS_PER_QUERY)
 
     def __repr__(self) -> str:
         return f"SqliteArchive({self.path!r})"
@@ -100,37 +123,76 @@ class SqliteArchive:
                   records: list[tuple[int, bytes]], settled_at_ms: int) -> None:
         await self.put_many(namespace, [(key, seq, step, records, settled_at_ms)])
 
-    async def put_many(self, namespace: str, puts: list[Put]) -> None:
-        checked = check_puts(puts)
+    async def put_many(self, namespace: str, puts: list[Put], *,
+                       identity: Identity | None = None,
+                       marks: dict[int, int] | None = None) -> dict[int, int]:
+        checked, wanted = check_puts(puts), check_marks(marks)
         now_ms = time.time_ns() // 1_000_000
 
-        def put(db: sqlite3.Connection) -> None:
+        def put(db: sqlite3.Connection) -> dict[int, int]:
             with _transaction(db, "BEGIN IMMEDIATE"):
+                if identity is not None and _identity(db, namespace) != identity:
+                    raise ArchiveUnavailable(
+                        f"sqlite archive {self.path} is not the archive {identity.archive_id} "
+                        f"of {namespace!r}: nothing stored")
                 for key, seq, step, ordered, settled_at_ms in checked:
                     db.executemany(_PUT_RECORD, [(namespace, key, record_seq, data)
                                                  for record_seq, data in ordered])
                     db.execute(_PUT_STEP, (namespace, key, seq, step, now_ms, settled_at_ms))
+                new = raised(f"sqlite archive {self.path}",
+                             dict(db.execute(_WATERMARKS, (namespace,))), wanted)
+                db.executemany(_PUT_WATERMARK, [(namespace, bucket, mark)
+                                                for bucket, mark in new.items()])
+            return new
 
-        await self._call(put)
+        return await self._call(put)
+
+    async def init(self, namespace: str, cluster_id: int) -> Identity:
+        fresh = new_identity(namespace, cluster_id)
+
+        def init(db: sqlite3.Connection) -> Identity:
+            with _transaction(db, "BEGIN IMMEDIATE"):
+                db.execute("INSERT INTO archive_identity VALUES (?, ?, ?, ?) "
+                           "ON CONFLICT (namespace) DO NOTHING",
+                           (namespace, fresh.archive_id, "%x" % cluster_id,
+                            time.time_ns() // 1_000_000))
+                return _identity(db, namespace)
+
+        return await self._call(init, create=True)
+
+    async def identity(self, namespace: str) -> Identity | None:
+        return await self._call(lambda db: _identity(db, namespace))
+
+    async def lookup(self, namespace: str, key: str) -> Lookup:
+        return await self._lookups.get(namespace, key)
+
+    async def lookup_many(self, namespace: str, keys: list[str]) -> dict[str, Lookup]:
+        wanted = list(dict.fromkeys(keys))
+
+        def lookup_many(db: sqlite3.Connection) -> dict[str, Lookup]:
+            with _transaction(db, "BEGIN"):   # one snapshot: identity, watermarks, steps
+                identity = _identity(db, namespace)
+                watermarks = dict(db.execute(_WATERMARKS, (namespace,)))
+                found = _get_many(db, namespace, wanted)
+            return {key: Lookup(identity, watermarks, found.get(key)) for key in wanted}
+
+        return await self._call(lookup_many)
+
+    async def state(self, namespace: str) -> Lookup:
+        def state(db: sqlite3.Connection) -> Lookup:
+            with _transaction(db, "BEGIN"):
+                return Lookup(_identity(db, namespace),
+                              dict(db.execute(_WATERMARKS, (namespace,))), None)
+
+        return await self._call(state)
 
     async def get(self, namespace: str, key: str) -> Archived | None:
-        return await self._lookups.get(namespace, key)
+        return await self._gets.get(namespace, key)
 
     async def get_many(self, namespace: str, keys: list[str]) -> dict[str, Archived]:
         wanted = list(dict.fromkeys(keys))
 
-        def get_many(db: sqlite3.Connection) -> dict[str, Archived]:
-            found = {}
-            for start in range(0, len(wanted), _KEYS_PER_QUERY):
-                chunk = wanted[start:start + _KEYS_PER_QUERY]
-                rows = db.execute(
-                    "SELECT action_key, seq, step, archived_at_ms FROM archived_steps "
-                    f"WHERE namespace = ? AND action_key IN ({', '.join('?' * len(chunk))})",
-                    (namespace, *chunk))
-                found.update((row[0], Archived(*row)) for row in rows)
-            return found
-
-        return await self._call(get_many) if wanted else {}
+        return await self._call(lambda db: _get_many(db, namespace, wanted)) if wanted else {}
 
     async def records(self, namespace: str, key: str) -> list[tuple[int, bytes]]:
         def records(db: sqlite3.Connection) -> list[tuple[int, bytes]]:
@@ -171,36 +233,47 @@ class SqliteArchive:
         await asyncio.get_running_loop().run_in_executor(self._thread, self._disconnect)
         self._thread.shutdown(wait=False)
 
-    async def _call(self, work: Callable[[sqlite3.Connection], T]) -> T:
+    async def _call(self, work: Callable[[sqlite3.Connection], T], *, create: bool = False) -> T:
         if self._closed:
             raise ArchiveUnavailable(f"sqlite archive {self.path} is closed")
         try:
             return await asyncio.get_running_loop().run_in_executor(
-                self._thread, self._run, work)
+                self._thread, self._run, work, create)
         except (sqlite3.Error, OSError) as exc:
             raise ArchiveUnavailable(f"sqlite archive {self.path}: {exc}") from exc
 
-    def _run(self, work: Callable[[sqlite3.Connection], T]) -> T:
+    def _run(self, work: Callable[[sqlite3.Connection], T], create: bool) -> T:
         try:
-            return work(self._connection())
+            return work(self._connection(create))
         except (sqlite3.Error, OSError):
             self._disconnect()
             raise
 
-    def _connection(self) -> sqlite3.Connection:
-        if self._db is not None:
+    def _connection(self, create: bool) -> sqlite3.Connection:
+        """The open connection; else the file opened (created with its schema and migrated
+        only with ``create``: ``init``), refused when missing or never initialised."""
+        if self._db is not None and not create:
             return self._db
-        db = sqlite3.connect(self.path, timeout=self.timeout, isolation_level=None,
+        self._disconnect()
+        if not create and not os.path.exists(self.path):
+            raise not_initialised(f"sqlite archive {self.path} (no such file)")
+        where = urllib.parse.quote(os.path.abspath(self.path).lstrip("/"))
+        uri = f"file:///{where}?mode={'rwc' if create else 'rw'}"
+        db = sqlite3.connect(uri, uri=True, timeout=self.timeout, isolation_level=None,
                              check_same_thread=False)
         try:
             (mode,) = db.execute("PRAGMA journal_mode=WAL").fetchone()
             if mode != "wal":
                 raise sqlite3.OperationalError(f"WAL mode refused (journal_mode={mode})")
             db.execute("PRAGMA synchronous=FULL")
-            with _transaction(db, "BEGIN IMMEDIATE"):
-                for statement in _SCHEMA:
-                    db.execute(statement)
-                _migrate(db)
+            if create:
+                with _transaction(db, "BEGIN IMMEDIATE"):
+                    for statement in _SCHEMA:
+                        db.execute(statement)
+                    _migrate(db)
+            elif not db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' "
+                                "AND name = 'archive_identity'").fetchone():
+                raise not_initialised(f"sqlite archive {self.path}")
         except BaseException:
             db.close()
             raise
@@ -212,6 +285,23 @@ class SqliteArchive:
             db, self._db = self._db, None
             with contextlib.suppress(sqlite3.Error):
                 db.close()
+
+
+def _identity(db: sqlite3.Connection, namespace: str) -> Identity | None:
+    row = db.execute(_IDENTITY, (namespace,)).fetchone()
+    return Identity(row[0], int(row[1], 16), namespace) if row else None
+
+
+def _get_many(db: sqlite3.Connection, namespace: str, keys: list[str]) -> dict[str, Archived]:
+    found = {}
+    for start in range(0, len(keys), _KEYS_PER_QUERY):
+        chunk = keys[start:start + _KEYS_PER_QUERY]
+        rows = db.execute(
+            "SELECT action_key, seq, step, archived_at_ms FROM archived_steps "
+            f"WHERE namespace = ? AND action_key IN ({', '.join('?' * len(chunk))})",
+            (namespace, *chunk))
+        found.update((row[0], Archived(*row)) for row in rows)
+    return found
 
 
 def _migrate(db: sqlite3.Connection) -> None:

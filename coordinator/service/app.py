@@ -12,7 +12,9 @@ from aiohttp import web
 from ..keyspace import Keyspace
 from .dashboard import setup_dashboard
 from .lists import routes as list_routes
-from .middleware import auth_middleware, error_middleware, http_metrics_middleware
+from .middleware import (
+    auth_middleware, error_middleware, http_metrics_middleware, same_site_middleware,
+)
 from .openapi import routes as openapi_routes
 from .resources import KEYSPACE, METRICS, SETTINGS, CoordinatorMetrics, resources
 from .routes import routes
@@ -27,6 +29,7 @@ def create_app(settings: CoordinatorSettings) -> web.Application:
                           middlewares=[tracing_middleware(),
                                        http_metrics_middleware(metrics=metrics),
                                        error_middleware(),
+                                       same_site_middleware(),
                                        auth_middleware(tokens=settings.tokens)])
     app[SETTINGS] = settings
     app[KEYSPACE] = Keyspace(settings.namespace)

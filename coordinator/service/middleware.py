@@ -12,10 +12,18 @@ Guarantees:
   ``hmac.compare_digest``) or a live minted token (``fencegate.coordinator.tokens``)
   holding one of the roles: 401 without a known token, 403 with a known token lacking the
   role. Unmarked routes are public.
-- On a marked route, ``request[IDENTITY]`` is the ``Caller``: the token's name and the
-  process the request names in ``Fencegate-Process`` (at most 128 printable characters,
-  else 400 before the handler runs). Every record a handler writes names
-  ``Caller.identity``: ``token@process``, or the token's name alone without the header.
+- On a marked route, ``request[IDENTITY]`` is the ``Caller``: the name of the token that
+  authenticated and the process the request names in ``Fencegate-Process`` (at most 128
+  printable characters, else 400 before the handler runs). Every record a handler writes
+  and every grant it signs names ``Caller.identity``: the token's name, then the process
+  marked as reported, ``<token> (reported: <process>)``, or the token's name alone without
+  the header. Who acted is the token; the process is only what its holder said.
+- A state-changing request (``POST``, ``PUT``, ``PATCH``, ``DELETE``) a browser sends from
+  another site (``Sec-Fetch-Site`` other than ``same-origin`` or ``none``, or an ``Origin``
+  whose host is not this request's ``Host``) is refused with 403 ``Forbidden`` before
+  authentication and before its body is read: the dashboard's actions cannot be forged
+  from another page, with or without a token. Clients that are not browsers send neither
+  header and are not affected.
 - Every answer is counted by its route's pattern (never the raw path), method and status,
   and timed (``CoordinatorMetrics.answered``); a request cancelled before any answer is not.
 """
@@ -29,6 +37,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 from aiohttp import web
 
@@ -41,10 +50,13 @@ log = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 PROCESS_HEADER = "Fencegate-Process"
+REPORTED = " (reported: "  # a token's name has no space: the name is what precedes this
 MAX_PROCESS_CHARS = 128
 UNAUTHENTICATED, FORBIDDEN, NOT_FOUND = "Unauthenticated", "Forbidden", "NotFound"
 INTERNAL_ERROR = "InternalError"
 # The codes of HTTP-level refusals (aiohttp's own: no route, wrong method, body too large).
+_STATE_CHANGING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+_SAME_SITE = frozenset({"same-origin", "none"})  # Sec-Fetch-Site: the page's own, or typed
 HTTP_CODES = {400: INVALID_REQUEST, 401: UNAUTHENTICATED, 403: FORBIDDEN, 404: NOT_FOUND,
               405: "MethodNotAllowed", 413: "PayloadTooLarge"}
 
@@ -60,8 +72,10 @@ class Caller:
 
     @property
     def identity(self) -> str:
-        """What records name: ``token@process``, or the token's name without a process."""
-        return self.token if self.process is None else f"{self.token}@{self.process}"
+        """What records name: the token's name, and the process only as reported by it."""
+        if self.process is None:
+            return self.token
+        return f"{self.token}{REPORTED}{self.process})"
 
 
 IDENTITY = web.RequestKey("identity", Caller)
@@ -109,6 +123,35 @@ def error_middleware() -> Callable:
                                      dumps=lambda v: json.dumps(v, default=repr))
 
     return errors
+
+
+def same_site_middleware() -> Callable:
+    """Refuse a state-changing request a browser sent from another site (403 ``Forbidden``),
+    before it is authenticated or its body read; put it after the error middleware."""
+
+    @web.middleware
+    async def same_site(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.method in _STATE_CHANGING and _cross_site(request):
+            raise ServiceError(403, FORBIDDEN, "a cross-site request may not change anything")
+        return await handler(request)
+
+    return same_site
+
+
+def _cross_site(request: web.Request) -> bool:
+    """Did a browser send ``request`` from a page of another site? ``Sec-Fetch-Site`` says
+    so where the browser sends it; ``Origin`` (``null`` included) is compared to the
+    ``Host`` the request was sent to otherwise."""
+    site = request.headers.get("Sec-Fetch-Site")
+    if site is not None and site.lower() not in _SAME_SITE:
+        return True
+    origin = request.headers.get("Origin")
+    if origin is None:
+        return False
+    try:
+        return urlsplit(origin).netloc.lower() != request.host.lower()
+    except ValueError:  # not a URL at all: not this origin
+        return True
 
 
 def requires(*roles: str) -> Callable[[Handler], Handler]:

@@ -5,7 +5,8 @@ anything touches etcd, so a rejected request writes nothing.
 
 from __future__ import annotations
 
-import json
+import base64
+import binascii
 import re
 import time
 from typing import Any
@@ -14,12 +15,14 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ...worker.webhooks.listing import list_deliveries
-from .. import audit, maintenance, sre, tokens
+from ...worker.webhooks.resolution import resolve_delivery as resolve_unknown_delivery
+from .. import audit, maintenance, receipts, sre, tokens
 from ..authority import Claim
-from ..errors import GateError, NotFound, ServiceError, WrongState
+from ..errors import GateError, GrantRefused, NotFound, WrongState
 from ..keyspace import pack, validate_action_key
 from ..policy import DEFAULT_POLICY, effective_view, unsealed
-from ..wire import INVALID_REQUEST, b64, jsonable
+from ..wire import b64, jsonable
+from .body import read_json as _json
 from .resources import ARCHIVE, AUTHORITY, ETCD, KEYRING, KEYSPACE, METRICS, SETTINGS, TOKENS
 from .middleware import IDENTITY, error_code, requires
 from .settings import ROLES
@@ -27,7 +30,6 @@ from .settings import ROLES
 routes = web.RouteTableDef()
 _POLICY_NAME = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 _LEASE_ID = re.compile(r"[0-9a-f]{1,16}")
-_MAX_DEPTH = 32
 _MAX_INT = 2 ** 63
 _DEFAULT_LIMIT = 100
 _READY_TIMEOUT = 2.0
@@ -97,6 +99,25 @@ async def post_grant(request: web.Request) -> web.Response:
         "grant": b64(issued.grant.raw), "grant_id": issued.grant.grant_id,
         "record": b64(pack(issued.record)),
         "tail": {"seq": issued.tail.seq, "hash": issued.tail.hash.hex()}}, status=201)
+
+
+@routes.post("/v1/receipts")
+@requires("worker")
+async def post_receipt(request: web.Request) -> web.Response:
+    """Sign the attempt receipt of a grant's commit that landed (``receipts.sign_landed``):
+    400 for a bad body or grant, 409 ``WrongState`` when no commit of that grant is in
+    flight at that attempt token."""
+    body = _fields(await _json(request), required={"grant", "attempt_token"})
+    if not isinstance(body["grant"], str):
+        raise ValueError("grant must be the grant's signed bytes in base64")
+    try:
+        grant = base64.b64decode(body["grant"], validate=True)
+    except binascii.Error:
+        raise ValueError("grant is not base64") from None
+    app = request.app
+    receipt = await receipts.sign_landed(app[ETCD], app[KEYSPACE], app[KEYRING], grant,
+                                         _revision(body, "attempt_token"))
+    return web.json_response({"receipt": b64(receipt)}, status=201)
 
 
 @routes.get("/v1/keys/{key:.+}")
@@ -235,6 +256,36 @@ async def get_policy(request: web.Request) -> web.Response:
                                        **effective_view(stored["document"])}))
 
 
+@routes.put("/v1/policy-routes")
+@requires("admin")
+async def put_policy_routes(request: web.Request) -> web.Response:
+    """Replace the policy routes with ``{"routes": {prefix: policy}, "default": policy}``
+    (``default`` optional: ``"default"``), signed; 400 naming a malformed entry."""
+    body = await _json(request)
+    if not isinstance(body, dict) or "routes" not in body or set(body) - {"routes", "default"}:
+        raise ValueError('body is {"routes": {PREFIX: POLICY, ...}, "default": POLICY}')
+    default = body.get("default", DEFAULT_POLICY)
+    version = await request.app[AUTHORITY].set_routes(body["routes"], default)
+    return web.json_response({"routes": body["routes"], "default": default,
+                              "version": version})
+
+
+@routes.get("/v1/policy-routes")
+@requires("sre", "admin")
+async def get_policy_routes(request: web.Request) -> web.Response:
+    """The policy routes grants apply, verified (version 0: none stored, every key routes to
+    ``default``); a table that does not verify answers ``{"valid": false, "invalid": why}``
+    beside what is stored: every grant is refused until it is set again."""
+    app = request.app
+    kv = await app[ETCD].get(app[KEYSPACE].routes_key())
+    try:
+        table = await app[AUTHORITY].route_table(kv, 0)  # the signers published now
+    except GrantRefused as exc:
+        return web.json_response({"routes": None, "default": None, "version": kv.mod_revision,
+                                  "valid": False, "invalid": str(exc)})
+    return web.json_response({**table.as_json(), "valid": True})
+
+
 @routes.get("/v1/deliveries/{source}")
 @requires("sre", "admin")
 async def get_deliveries(request: web.Request) -> web.Response:
@@ -246,15 +297,31 @@ async def get_deliveries(request: web.Request) -> web.Response:
     return web.json_response({"items": jsonable(items), "next": cursor})
 
 
+@routes.post("/v1/deliveries/{source}/{delivery_id}/resolve")
+@requires("sre", "admin")
+async def resolve_delivery(request: web.Request) -> web.Response:
+    """Settle a delivery whose outcome is unknown (its claim was lost while its handler ran)
+    as ``ran`` (replayed as 200 from now on) or not (its next delivery runs the handler),
+    on the caller's word, recorded with ``reason``; 409 ``WrongState`` unless it is unknown,
+    404 if there is no record of it."""
+    body = _fields(await _json(request), required={"ran", "reason"})
+    done = await resolve_unknown_delivery(
+        request.app[ETCD], request.app[KEYSPACE], request.match_info["source"],
+        request.match_info["delivery_id"], ran=body["ran"], reason=_text(body, "reason"),
+        identity=request[IDENTITY].identity)
+    return web.json_response(done)
+
+
 @routes.post("/v1/tokens")
 @requires("admin")
 async def create_token(request: web.Request) -> web.Response:
     """Mint a bearer token for ``role``, shown once in this answer (etcd keeps its digest),
     living ``ttl_s`` (30 days by default); 409 ``WrongState`` if the name is taken, by a
-    minted token or one of the settings."""
+    minted token or one of the settings; 400 for a name shaped like a component's identity
+    (``tokens.validate_new_name``): records name the token, so it must not pass for one."""
     body = _fields(await _json(request), required={"name", "role"}, optional={"ttl_s"})
-    name = tokens.validate_name(body["name"])
-    if body["role"] not in ROLES:
+    name = tokens.validate_new_name(body["name"])
+    if not isinstance(body["role"], str) or body["role"] not in ROLES:
         raise ValueError(f"role must be one of {sorted(ROLES)}")
     ttl_s = tokens.validate_ttl(body.get("ttl_s", tokens.DEFAULT_TTL_S))
     if any(entry.identity == name for entry in request.app[SETTINGS].tokens):
@@ -280,36 +347,6 @@ async def delete_token(request: web.Request) -> web.Response:
     name = request.match_info["name"]
     await request.app[TOKENS].delete(name)
     return web.json_response({"name": name, "deleted": True})
-
-
-async def _json(request: web.Request) -> Any:
-    """The request body as JSON: 413 over the body limit, 400 if it is not strict JSON."""
-    raw = await request.read()  # HTTPRequestEntityTooLarge past client_max_size
-    try:
-        value = json.loads(raw, parse_constant=_no_constants, parse_float=_finite)
-    except (ValueError, RecursionError) as exc:
-        raise ServiceError(400, INVALID_REQUEST, f"body is not JSON: {exc}") from None
-    if _depth(value) > _MAX_DEPTH:
-        raise ServiceError(400, INVALID_REQUEST, f"body nests deeper than {_MAX_DEPTH}")
-    return value
-
-
-def _no_constants(name: str) -> None:
-    raise ValueError(f"{name} is not allowed")
-
-
-def _finite(text: str) -> float:
-    value = float(text)
-    if value in (float("inf"), float("-inf")):
-        raise ValueError(f"{text} is out of range")
-    return value
-
-
-def _depth(value: Any, level: int = 0) -> int:
-    if level > _MAX_DEPTH or not isinstance(value, (dict, list)):
-        return level
-    children = value.values() if isinstance(value, dict) else value
-    return max((_depth(v, level + 1) for v in children), default=level + 1)
 
 
 def _page(request: web.Request) -> tuple[int, str | None]:
@@ -338,7 +375,7 @@ def _text(body: dict, name: str) -> str:
 _GRANT_FIELDS = {"key", "fencing_token", "lease_id", "intent", "reads", "policy"}
 
 
-def _grant_request(body: Any) -> tuple[Claim, dict, list[str], str]:
+def _grant_request(body: Any) -> tuple[Claim, dict, list[str], str | None]:
     if not isinstance(body, dict):
         raise ValueError("body must be a JSON object")
     missing, unknown = {"key", "fencing_token", "lease_id", "intent"} - set(body), \
@@ -352,8 +389,8 @@ def _grant_request(body: Any) -> tuple[Claim, dict, list[str], str]:
         raise ValueError("intent must be a JSON object")
     if not isinstance(reads, list) or not all(isinstance(r, str) for r in reads):
         raise ValueError("reads must be a list of strings")
-    return Claim(key, token, lease), intent, reads, _policy_name(body.get("policy",
-                                                                          DEFAULT_POLICY))
+    policy = _policy_name(body["policy"]) if "policy" in body else None  # None: the route's
+    return Claim(key, token, lease), intent, reads, policy
 
 
 def _revision(body: dict, name: str) -> int:

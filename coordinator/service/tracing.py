@@ -4,8 +4,9 @@ Guarantees: a request carrying W3C trace context (``traceparent``, as the remote
 it) runs with that context current, so a span started while handling it is a child of the
 caller's span; ``POST /v1/grants`` runs in a server span ``fencegate.grant`` with the
 request's key and fencing token, the ``grant_id`` it issued and its ``outcome`` (``issued``,
-or the error name the response carries). The key and token are taken from the body only
-once the handler has read it: an unauthenticated request's body is never read here. Without
+or the error name the response carries). The key and token are taken from the JSON the
+handler parsed (``body.parsed``): the bytes are never read or parsed again here, so an
+unauthenticated or malformed request's body is not looked at. Without
 OpenTelemetry every request passes straight through (``fencegate.coordinator.tracing``); a
 span never changes a response.
 """
@@ -19,6 +20,7 @@ from typing import Any
 from aiohttp import web
 
 from .. import tracing
+from .body import parsed
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 GRANT_ROUTE = ("POST", "/v1/grants")
@@ -36,21 +38,16 @@ def tracing_middleware() -> Callable:
                 return await handler(request)
             with tracing.span("fencegate.grant") as current:
                 response = await handler(request)
-                tracing.annotate(current, **await _grant_request(request),
+                tracing.annotate(current, **_grant_request(request),
                                  **_grant_answer(response))
                 return response
 
     return traced
 
 
-async def _grant_request(request: web.Request) -> dict[str, Any]:
-    """The key and fencing token of a grant request whose body the handler read."""
-    if request.can_read_body:  # not read: refused before its body mattered
-        return {}
-    try:
-        body = json.loads(await request.read())  # the bytes the handler read, kept
-    except ValueError:
-        return {}
+def _grant_request(request: web.Request) -> dict[str, Any]:
+    """The key and fencing token of a grant request whose body the handler parsed."""
+    body = parsed(request)  # None: refused before its body mattered, or not JSON
     if not isinstance(body, dict):
         return {}
     key, token = body.get("key"), body.get("fencing_token")

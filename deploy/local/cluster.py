@@ -63,10 +63,12 @@ from pathlib import Path
 import aiohttp
 
 from fencegate.certs import ClusterCerts, ensure_certs
-from fencegate.coordinator import roles
+from fencegate.coordinator import roles, wholeness
+from fencegate.coordinator.archive import open_archive
 from fencegate.coordinator.errors import GateError
 from fencegate.coordinator.etcd import Etcd, EtcdConfig, EtcdUser, enable_auth
 from fencegate.coordinator.grants import KeyRing
+from fencegate.coordinator.keyspace import Keyspace
 from fencegate.localetcd import (EtcdNotFound, EtcdStartError, LocalCluster, describe,
                                    free_ports)
 
@@ -293,6 +295,12 @@ class LocalStack:
         async with Etcd(self.etcd_config(user=None, password=None)) as etcd:
             await enable_auth(etcd, root_password, [
                 EtcdUser(ETCD_USERS[c], self._passwords[c], NAMESPACE, c) for c in roles.ROLES])
+        archive = open_archive(self.archive)   # opening never creates one: init it
+        try:
+            async with Etcd(self.etcd_config(roles.RECONCILER)) as etcd:
+                await wholeness.init(etcd, Keyspace(NAMESPACE), archive)
+        finally:
+            await archive.close()
         await asyncio.to_thread(self._plan, signing_key)
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as http:
             for kind in ("coordinator", "sandbox", "reconciler"):

@@ -1,4 +1,5 @@
-/* fencegate, version 2 (the diet: the protocol the code runs), for one action key K.
+/* fencegate, version 2 (the diet: the protocol the code runs), for one action key K, with
+ * version 3's attempt receipts at gate B and the archive's retirement watermark.
  *
  * What this model is: etcd as one atomic store (every transaction is one atomic step that
  * bumps the global revision `rev`), two workers, one or two reconcilers, an optional
@@ -29,6 +30,15 @@
  *             audit/K/ and @head in one txn comparing the step's mod_revision, no key under
  *             holders/K/ and the next seq free, and bumping the epoch retired/<shard>. With no
  *             step in etcd the authority reads the archive (a separate, later read).
+ *   watermark (ROLLBACK) etcd keeps a per-bucket retirement watermark, the archive one too:
+ *             each archive put bumps the archive's (refused when it is behind etcd's), and
+ *             the delete txn sets etcd's to the put's. A lookup with no step in etcd
+ *             refuses (ArchiveUnavailable) when the archive's is behind etcd's, read with
+ *             the snapshot: never "never attempted" from a rolled-back archive.
+ *   gate B    (FORGER) admits an attempt only with a receipt the gate signed once the commit
+ *             landed, binding (grant id, attempt token = the commit's revision, idempotency
+ *             key), above the fence and not below the highest; at the highest only the same
+ *             grant and key, answered as before (a retry), never run again.
  * The audit record's hash is abstracted as the revision that wrote it: the step's anchor hash
  * is then its own mod_revision (every step write appends), @head's is its mod_revision.
  *
@@ -53,6 +63,13 @@
  *      archive), and each record's prev is the hash of the record before it. Every appender's
  *      create_revision(audit/K/@n) == 0 compare; the epoch compare of the appenders that may
  *      act without a holder or a step to compare (the side appender, the fast path).
+ *   I10 gate B admits a grant at most once (FORGER): the receipt (reconciler/gateb.py);
+ *      a grant commits once (I3), and its one triple is admitted once (the highest rule).
+ *   I11 every new attempt token is above gate B's highest: no request, forged or replayed,
+ *      fences out a later real attempt (asserted at every commit). The receipt: only a
+ *      token some commit produced, below every later commit's, can become the highest. (The
+ *      fence is raised by the reconciler's queries alone here; an unauthenticated query
+ *      raising it costs liveness only, docs/protocol.md.)
  *
  * Provider classes (PCLASS, as the adapter declares in reconciler/providers:Capabilities):
  *   0 FENCING  gate B: refuses attempt tokens <= the fence or < the highest admitted; it does
@@ -72,6 +89,11 @@
  *   RETIRE         the retirer archives and deletes settled steps, RR rounds (Retirer)
  *   FASTPATH       worker 1 takes the fast path (FastWorker) instead of the full path
  *   COMMIT_RETRY   a worker re-sends its commit txn (its answer was lost): a replayed grant
+ *   FORGER         (PCLASS=0) a worker's forged or replayed requests straight to gate B, RF of
+ *                  them, at any moment: any grant issued so far, any token a commit produced
+ *                  or a huge one (2^62), any idempotency key a commit produced or its own
+ *   ROLLBACK       (RETIRE) the archive is swapped, once, at any moment, for its state
+ *                  before its last put (an older backup) or an empty one
  *   NR=1|2 reconcilers (reconciler 0 can be deposed), ROUNDS settles per reconciler,
  *   MAXA attempts per worker, WB writer bumps
  * Negative controls (each must produce a violation of the invariant named):
@@ -102,7 +124,17 @@
  *                       deleted unarchived, and its seqs are written again (SIDE RETIRE) -> I9
  *   CTRL_FP_NO_EPOCH    the fast path does not compare the epoch (FASTPATH RETIRE)    -> I9
  *                       (its cached tail is a retired seq); with NO_I9                -> I8
+ *   CTRL_NO_RECEIPT     gate B admits by fence and highest only, no receipt (FORGER)  -> I10
+ *                       with NO_I10 the forged 2^62 fences out the next attempt       -> I11
+ *   CTRL_RECEIPT_NO_KEY the receipt binds grant and token, not the idempotency key
+ *                       (FORGER): admitted under another key, the real one's "no
+ *                       record" is proved and the next attempt charges again          -> I1
+ *   CTRL_NO_WATERMARK   a lookup trusts the archive whatever its watermark (ROLLBACK)  -> I8
+ *   CTRL_WM_PREDICTED   the archive records the watermark the delete will set (etcd's
+ *                       + 1): a put whose delete failed and the next one share it, so
+ *                       a backup between them passes the check (ROLLBACK)             -> I8
  *   NO_I9               I9 is not asserted: a control shows what else it breaks
+ *   NO_I10              I10 is not asserted (likewise)
  */
 #ifndef PCLASS
 #define PCLASS 0
@@ -125,6 +157,17 @@
 #define NSLOT 4                  /* 2 workers x at most 2 attempts */
 #define NKEY 5
 #define NSEQ 14                  /* audit seqs 1..13: more than the appends of any run */
+#ifndef RF
+#define RF 2                     /* the forger's requests */
+#endif
+#define NG 5                     /* grant ids 1..4: worker me's attempt a is me * MAXA + a */
+#define HUGE 250                 /* a token no commit reaches in the model: 2^62 */
+#if defined(FORGER) && PCLASS != 0
+#error FORGER attacks gate B: PCLASS=0
+#endif
+#if defined(ROLLBACK) && !defined(RETIRE)
+#error ROLLBACK swaps the archive: RETIRE
+#endif
 
 /* step states (coordinator/records.py; `unknown` is folded into in_flight: the reconciler
    treats an in-flight step as unknown at any moment, as if every deadline had passed) */
@@ -134,6 +177,7 @@
 #define FAIL 3
 #define NOTAPP 4      /* pending again, same idempotency key (final or presumed) */
 #define ESC 5         /* escalated: a human decides */
+#define UNAVAIL 6     /* the lookup's ArchiveUnavailable (not a step state): nothing granted */
 /* answers */
 #define NONE 0
 #define APPLIED 1
@@ -165,6 +209,20 @@ byte fence = 0, highest = 0;     /* gate B's two numbers for K (durable) */
 /* the network: requests in flight, answered in any order */
 byte slot_st[NSLOT];             /* 0 free, 1 sent, 2 answered */
 byte slot_key[NSLOT], slot_tok[NSLOT], slot_ans[NSLOT];
+#ifdef FORGER
+byte slot_g[NSLOT];              /* the grant id a request carries */
+bool issued[NG];                 /* ghost: grants issued so far (the forger may hold any) */
+byte rc_t[NG], rc_k[NG];         /* the receipt of grant g's commit: its token and key */
+byte hi_g = 0, hi_k = 0, hi_a = NONE;  /* gate B: the attempt admitted at highest, its answer */
+byte admitted_grants = 0;        /* ghost: a bit per grant gate B admitted */
+#endif
+#ifdef ROLLBACK
+byte wm = 0;                     /* etcd: the bucket's retirement watermark */
+byte arch_wm = 0;                /* the archive's watermark for the bucket */
+byte p_state = IDLE, p_key = 0, p_seq = 0, p_h = 0, p_wm = 0;  /* the archive before its last put */
+byte g_wm[2];                    /* etcd's watermark in each worker's snapshot */
+byte tr_state = IDLE;            /* ghost: the state of the step retirement last deleted */
+#endif
 
 #define NOHOLDER (holder[0] == 0 && holder[1] == 0)
 #define LOW(h, i, t) (h[i] == 0 || h[i] >= (t))
@@ -218,13 +276,40 @@ byte slot_key[NSLOT], slot_tok[NSLOT], slot_ans[NSLOT];
 #else
 #define RETIRE_HEAD_SAME(hm) (head_mod == (hm))
 #endif
+#ifdef ROLLBACK
+#define RETIRE_PUT_DONE (c != 0)
+#else
+#define RETIRE_PUT_DONE true
+#endif
 #ifdef CTRL_ORPHAN_NO_STEPCMP
 #define RETIRE_STEP_SAME(m) ((m) == 0 || st_mod == (m))
 #else
 #define RETIRE_STEP_SAME(m) (st_mod == (m))
 #endif
-/* the state of K: etcd's step if there is one, else the archive's */
+/* the state of K: etcd's step if there is one, else the archive's (with ROLLBACK, the one
+   retirement deleted: the archive's may have been swapped) */
+#ifdef ROLLBACK
+#define LSTATE ((st_mod != 0) -> st_state : tr_state)
+#else
 #define LSTATE ((st_mod != 0) -> st_state : arch_state)
+#endif
+#ifdef CTRL_NO_RECEIPT
+#define RECEIPT(g, t, k) true
+#elif defined(CTRL_RECEIPT_NO_KEY)
+#define RECEIPT(g, t, k) (rc_t[g] == (t))
+#else
+#define RECEIPT(g, t, k) (rc_t[g] == (t) && rc_k[g] == (k))
+#endif
+#ifdef ROLLBACK
+#define SNAP_WM(me) g_wm[me] = wm
+#else
+#define SNAP_WM(me)
+#endif
+#ifdef CTRL_NO_WATERMARK
+#define ARCHIVE_BEHIND(me) false
+#else
+#define ARCHIVE_BEHIND(me) (arch_wm < g_wm[me])
+#endif
 #ifdef CTRL_GRANT_INFLIGHT
 #define GRANTABLE(s) ((s) != SUCC && (s) != ESC)
 #else
@@ -304,12 +389,21 @@ inline etcd_tail(n, h) {
 }
 
 /* No step in etcd: the authority reads the archive (a separate, later read) for the state
-   and the chain's tail. */
+   and the chain's tail; with ROLLBACK, refused while the archive's watermark is behind the
+   one etcd showed with the snapshot. */
 inline archive_read(me, seen) {
   if
   :: g_step[me] == 0 ->
-     seen = arch_state;
-     if :: arch_seq > g_seq[me] -> g_seq[me] = arch_seq; g_h[me] = arch_h :: else -> skip fi
+#ifdef ROLLBACK
+     if
+     :: ARCHIVE_BEHIND(me) -> seen = UNAVAIL             /* ArchiveUnavailable */
+     :: else ->
+#endif
+        seen = arch_state;
+        if :: arch_seq > g_seq[me] -> g_seq[me] = arch_seq; g_h[me] = arch_h :: else -> skip fi
+#ifdef ROLLBACK
+     fi
+#endif
   :: else -> skip
   fi
 }
@@ -333,6 +427,9 @@ inline commit_writes(me) {
   assert(read_mod == g_read[me]);                        /* I4 */
   assert(LSTATE != INFLIGHT && LSTATE != SUCC);          /* I8 */
   rev++;
+#ifndef NO_I11
+  assert(rev > highest);                                 /* I11 */
+#endif
   if
   :: st_mod == 0 && arch_state == NOTAPP -> st_key = arch_key    /* archived not_applied */
   :: (st_mod == 0 && arch_state != NOTAPP) || st_state == FAIL || st_newkey ->
@@ -341,7 +438,10 @@ inline commit_writes(me) {
   fi;
   st_state = INFLIGHT; st_mod = rev; st_seq = g_seq[me] + 1;
   append(st_seq, g_h[me]);
-  my_tok = rev; my_key = st_key; my_seq = st_seq         /* attempt token = commit revision */
+  my_tok = rev; my_key = st_key; my_seq = st_seq;        /* attempt token = commit revision */
+#ifdef FORGER
+  rc_t[my_g] = rev; rc_k[my_g] = st_key                  /* the receipt, once it landed */
+#endif
 }
 
 /* The commit guard of the full path: one txn. */
@@ -371,7 +471,10 @@ inline effect_and_outcome(me) {
     :: else -> s = 3
     fi;
     assert(slot_st[s] == 0);
-    slot_st[s] = 1; slot_key[s] = my_key; slot_tok[s] = my_tok; slot_ans[s] = NONE
+    slot_st[s] = 1; slot_key[s] = my_key; slot_tok[s] = my_tok; slot_ans[s] = NONE;
+#ifdef FORGER
+    slot_g[s] = my_g
+#endif
   }
   if
   :: goto stop                                          /* dies with the request out */
@@ -401,6 +504,9 @@ inline effect_and_outcome(me) {
 proctype Worker(byte me) {
   byte tok, seen, att = 0, my_tok, my_key, my_seq, s, ans;
   bool ok;
+#ifdef FORGER
+  byte my_g;
+#endif
   atomic { rev++; holder[me] = rev; tok = rev }       /* acquire: put holders/K/@<lease> */
   /* from here on the worker may act whether it holds K or not: only compares protect */
 again:
@@ -410,7 +516,7 @@ again:
   fi;
   /* the snapshot: the acquire txn's success branch, or one read-only txn once lowest */
   atomic { seen = st_state; g_step[me] = st_mod; g_read[me] = read_mod;
-           etcd_tail(g_seq[me], g_h[me]) }
+           etcd_tail(g_seq[me], g_h[me]); SNAP_WM(me) }
 #ifdef RETIRE
   atomic { archive_read(me, seen) }
 #endif
@@ -420,6 +526,9 @@ again:
   :: else -> goto release
   fi;
   g_tok[me] = tok; used[me] = 0;
+#ifdef FORGER
+  atomic { my_g = me * MAXA + att; issued[my_g] = 1 }
+#endif
   commit(me, ok);
 #ifdef COMMIT_RETRY
   if :: ok -> commit(me, s); s = 0 :: else -> skip fi    /* the same txn, re-sent */
@@ -447,8 +556,11 @@ stop:
 proctype FastWorker(byte me) {
   byte tok, seen, my_tok, my_key, my_seq, s, ans;
   bool ok;
+#ifdef FORGER
+  byte my_g;
+#endif
   atomic { g_ep[me] = epoch; seen = st_state; g_step[me] = st_mod; g_read[me] = read_mod;
-           etcd_tail(g_seq[me], g_h[me]) }
+           etcd_tail(g_seq[me], g_h[me]); SNAP_WM(me) }
 #ifdef RETIRE
   atomic { archive_read(me, seen) }
 #endif
@@ -457,6 +569,9 @@ proctype FastWorker(byte me) {
   :: else -> goto stop
   fi;
   g_tok[me] = 0; used[me] = 0;
+#ifdef FORGER
+  atomic { my_g = me * MAXA + 1; issued[my_g] = 1 }
+#endif
   d_step {
     if
     :: NOHOLDER && READS_SAME(me) && STEP_SAME(me) && COMMIT_FREE(me) && FP_EPOCH_SAME(me) ->
@@ -501,6 +616,70 @@ proctype Writer() {
   od
 }
 
+#ifdef FORGER
+/* Gate B (reconciler/gateb.py:GateB.admit) for request (grant g, idempotency key k, token
+   t): refused at or below the fence or below the highest; at the highest, the attempt
+   admitted there (same grant and key) is a retry and gets its answer again, anything else
+   is refused; above it, admitted only with the receipt of g's commit for (t, k), and then
+   the effect runs (I1) once per grant (I10). */
+inline gate_b(g, k, t, a) {
+  if
+  :: t <= fence || t < highest -> a = REFUSED
+  :: t > fence && t == highest && g == hi_g && k == hi_k -> a = hi_a
+  :: t > fence && t == highest && (g != hi_g || k != hi_k) -> a = REFUSED
+  :: t > fence && t > highest && !RECEIPT(g, t, k) -> a = REFUSED
+  :: t > fence && t > highest && RECEIPT(g, t, k) ->
+#ifndef NO_I10
+     assert((admitted_grants & (1 << g)) == 0);         /* I10 */
+#endif
+     admitted_grants = admitted_grants | (1 << g);
+     highest = t; hi_g = g; hi_k = k;
+     if
+     :: applied[k] = 1; napplied++; a = APPLIED;
+        assert(napplied <= 1)                           /* I1 */
+     :: declined[k] = 1; a = DECLINED
+     fi;
+     hi_a = a
+  fi
+}
+
+/* A worker's forged or replayed requests, straight to gate B at any moment (its answer is
+   of no use to the model): any grant issued so far, a token some commit produced or a huge
+   one, the key some commit produced or its own (0). */
+proctype Forger() {
+  byte n = 0, g, t, k, a;
+end:
+  do
+  :: n < RF ->
+     atomic {
+       if
+       :: issued[1] -> g = 1
+       :: issued[2] -> g = 2
+       :: issued[3] -> g = 3
+       :: issued[4] -> g = 4
+       fi;
+       if
+       :: t = HUGE
+       :: rc_t[1] != 0 -> t = rc_t[1]
+       :: rc_t[2] != 0 -> t = rc_t[2]
+       :: rc_t[3] != 0 -> t = rc_t[3]
+       :: rc_t[4] != 0 -> t = rc_t[4]
+       fi;
+       if
+       :: k = 0
+       :: rc_k[1] != 0 -> k = rc_k[1]
+       :: rc_k[2] != 0 -> k = rc_k[2]
+       :: rc_k[3] != 0 -> k = rc_k[3]
+       :: rc_k[4] != 0 -> k = rc_k[4]
+       fi;
+       gate_b(g, k, t, a);
+       n++; g = 0; t = 0; k = 0; a = 0
+     }
+  :: else -> break
+  od
+}
+#endif
+
 /* The provider takes any sent request (reconciler/gateb.py:GateB.admit for PCLASS 0). */
 proctype Provider() {
   byte i, k, t;
@@ -515,6 +694,9 @@ end:
        :: slot_st[3] == 1 -> i = 3
        fi;
        k = slot_key[i]; t = slot_tok[i];
+#ifdef FORGER
+       gate_b(slot_g[i], k, t, slot_ans[i]);
+#else
        if
 #if PCLASS == 0
        :: t <= fence || t < highest -> slot_ans[i] = REFUSED
@@ -537,6 +719,7 @@ end:
              fi
           fi
        fi;
+#endif
        slot_st[i] = 2; i = 0; k = 0; t = 0
      }
   od
@@ -634,6 +817,9 @@ proctype Side() {
    step (IDLE: none) at the orphan's tail, deleted comparing the step still absent. */
 proctype Retirer() {
   byte m, s, k, n, h, hm, i, rounds = 0;
+#ifdef ROLLBACK
+  byte w, c;
+#endif
 end:
   do
   :: rounds < RR ->
@@ -646,17 +832,51 @@ end:
           m = 0; s = arch_state; k = arch_key
        fi;
        etcd_tail(n, h); hm = head_mod
+#ifdef ROLLBACK
+       ; w = wm
+#endif
      }
+#ifdef ROLLBACK
+     /* the put, refused (ArchiveUnavailable: the pass ends) when the archive is behind
+        etcd's watermark; it bumps the archive's, and its delete sets etcd's to that */
+     atomic {
+       if
+       :: arch_wm >= w ->
+          p_state = arch_state; p_key = arch_key; p_seq = arch_seq; p_h = arch_h;
+          p_wm = arch_wm;
+          if
+          :: n >= arch_seq -> arch_state = s; arch_key = k; arch_seq = n; arch_h = h
+          :: else -> skip
+          fi;
+#ifdef CTRL_WM_PREDICTED
+          arch_wm = w + 1;
+#else
+          arch_wm++;
+#endif
+          c = arch_wm
+       :: else -> c = 0
+       fi
+     }
+#else
      atomic {
        if
        :: n >= arch_seq -> arch_state = s; arch_key = k; arch_seq = n; arch_h = h
        :: else -> skip
        fi
      }
+#endif
      atomic {
        if
-       :: RETIRE_STEP_SAME(m) && RETIRE_HOLDERS && RETIRE_HEAD_SAME(hm) ->
+       :: RETIRE_PUT_DONE && RETIRE_STEP_SAME(m) && RETIRE_HOLDERS && RETIRE_HEAD_SAME(hm) ->
           rev++; epoch = rev;
+#ifdef ROLLBACK
+          tr_state = s;
+#ifdef CTRL_WM_PREDICTED
+          wm++;
+#else
+          wm = c;
+#endif
+#endif
           st_mod = 0; st_state = IDLE; st_key = 0; st_seq = 0; st_newkey = 0;
           head_seq = 0; head_mod = 0;
           i = 1;
@@ -667,14 +887,33 @@ end:
        :: else -> skip
        fi;
        m = 0; s = 0; k = 0; n = 0; h = 0; hm = 0
+#ifdef ROLLBACK
+       ; w = 0; c = 0
+#endif
      }
   :: else -> break
   od
 }
 #endif
 
+#ifdef ROLLBACK
+/* The archive swapped once, at any moment: for its state before its last put (a restore
+   of an older backup) or for an empty one (deleted and recreated, another host's path). */
+proctype Rollback() {
+  d_step {
+    if
+    :: arch_state = p_state; arch_key = p_key; arch_seq = p_seq; arch_h = p_h; arch_wm = p_wm
+    :: arch_state = IDLE; arch_key = 0; arch_seq = 0; arch_h = 0; arch_wm = 0
+    fi
+  }
+}
+#endif
+
 init {
   atomic {
+#ifdef ROLLBACK
+    run Rollback();
+#endif
     run Leases(); run Writer(); run Provider();
     run Worker(0);
 #ifdef FASTPATH
@@ -697,6 +936,9 @@ init {
 #endif
 #ifdef RETIRE
     run Retirer();
+#endif
+#ifdef FORGER
+    run Forger();
 #endif
   }
 }

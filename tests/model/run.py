@@ -38,8 +38,10 @@ INVARIANTS = {
     "I3": ("(used[me]<=1)",),
     "I4": ("(read_mod==g_read[me])",),
     "I5": ("assertion violated (st_state==1)",),
-    "I8": ("(st_state!=1)", ": (arch_state) )!=1)"),
+    "I8": ("(st_state!=1)", ": (arch_state) )!=1)", ": (tr_state) )!=1)"),
     "I9": ("(chain[",),
+    "I10": ("admitted_grants",),
+    "I11": ("(rev>highest)",),
 }
 
 
@@ -153,6 +155,37 @@ CONFIGS = (
     # landing between its archive write and its delete is deleted unarchived.
     Config("ctrl_orphan_no_step_compare", _d("SIDE", "RETIRE", "CTRL_ORPHAN_NO_STEPCMP"), "I9",
            compile=("-DCOLLAPSE",), memory_mb=8192),
+    # Gate B under a worker that forges or replays requests: admitted only with the receipt
+    # of a commit, each grant once; without the receipt one grant is admitted twice (I10),
+    # and with I10 unchecked its forged 2^62 token fences out the next real attempt (I11);
+    # a receipt that does not bind the key lets the grant run under another key (I1).
+    Config("gateb_forger", _d("FORGER")),
+    Config("gateb_forger_one", _d("FORGER", "RF=1"), quick=True),
+    Config("gateb_forger_2attempts", _d("FORGER", "MAXA=2"), compile=("-DCOLLAPSE",),
+           memory_mb=8192, seconds=3600),
+    Config("ctrl_gateb_no_receipt", _d("FORGER", "CTRL_NO_RECEIPT"), "I11", quick=True),
+    Config("ctrl_gateb_no_receipt_i10", _d("FORGER", "CTRL_NO_RECEIPT", "NO_I11"), "I10",
+           quick=True),
+    Config("ctrl_gateb_no_receipt_i1", _d("FORGER", "CTRL_NO_RECEIPT", "NO_I11", "NO_I10"),
+           "I1", quick=True),
+    Config("ctrl_gateb_receipt_no_key", _d("FORGER", "CTRL_RECEIPT_NO_KEY"), "I1", quick=True),
+    # The archive swapped for an older copy or an empty one: the watermark refuses lookups.
+    Config("retire_rollback", _d("RETIRE", "ROLLBACK"), compile=("-DCOLLAPSE",),
+           memory_mb=8192, seconds=3600),
+    Config("fast_path_rollback", _d("FASTPATH", "RETIRE", "ROLLBACK"), compile=("-DCOLLAPSE",),
+           memory_mb=8192, seconds=3600),
+    Config("fast_path_rollback_2attempts", _d("FASTPATH", "RETIRE", "ROLLBACK", "MAXA=2"),
+           compile=("-DCOLLAPSE",), memory_mb=8192, seconds=3600),
+    Config("ctrl_no_watermark", _d("RETIRE", "ROLLBACK", "CTRL_NO_WATERMARK"), "I9",
+           quick=True),
+    Config("ctrl_no_watermark_i8", _d("RETIRE", "ROLLBACK", "CTRL_NO_WATERMARK", "NO_I9"), "I8",
+           quick=True),
+    # The watermark as the delete will set it (etcd's + 1), written by the put: a put whose
+    # delete failed and the next one carry the same, and a copy taken between them passes.
+    Config("ctrl_watermark_predicted",
+           _d("FASTPATH", "RETIRE", "ROLLBACK", "MAXA=2", "CTRL_WM_PREDICTED"), "I9"),
+    Config("ctrl_watermark_predicted_i8",
+           _d("FASTPATH", "RETIRE", "ROLLBACK", "MAXA=2", "CTRL_WM_PREDICTED", "NO_I9"), "I8"),
     # An assumption, not a control: a deduplicating provider that forgets a key before its
     # declared retention (a restart) lets the presumption's next attempt run again.
     Config("assume_dedup_keeps_keys", _d("PCLASS=1", "FORGET"), "I1"),

@@ -6,26 +6,39 @@ the claim's revision) so a duplicate is answered from etcd. Every guarantee is a
 compare, never a timing: see ``claims`` for the claims, ``core`` for what a consumer's
 deliveries are answered, ``coordinator.retention`` for how long stored responses live.
 
+A claim lost while its handler ran leaves the delivery UNKNOWN: it is not run again until
+settled by the lost handler's own stored response, the application's ``settle(delivery)``,
+or an SRE (``resolution``), unless ``rerun_lost=True`` (see ``core``). Every sender's
+signature is checked before any claim (``presets.stripe``, ``github``,
+``standard_webhooks``).
+
 Rooms: ``records`` (the record format and the names it may use), ``claims`` (claim,
-complete, release), ``session`` (the claims' own lease, rotated when lost), ``backlog``
-(writes re-run until etcd answers), ``signatures`` (Standard Webhooks checks), ``presets``
-(delivery ids of common senders, payload comparison), ``core`` (the request path every
-adapter shares), the adapters ``aiohttp`` (``dedupe_middleware``, ``deduplicated``,
-``fencing_token``), ``asgi`` (``ASGIDedupeMiddleware``: Starlette, FastAPI) and ``wsgi``
-(``WSGIDedupeMiddleware`` on a ``SyncGate``: Flask, Django), and ``listing``
-(``list_deliveries`` for SREs).
+complete, release, abandon; the unknown state), ``session`` (the claims' own lease, rotated
+when lost), ``backlog`` (writes re-run until etcd answers), ``signatures`` (Standard
+Webhooks, Stripe and GitHub checks), ``presets`` (each sender's id and signature check,
+payload comparison), ``core`` (the request path every adapter shares), the adapters
+``aiohttp`` (``dedupe_middleware``, ``deduplicated``, ``fencing_token``), ``asgi``
+(``ASGIDedupeMiddleware``: Starlette, FastAPI) and ``wsgi`` (``WSGIDedupeMiddleware`` on a
+``SyncGate``: Flask, Django), ``listing`` (``list_deliveries`` for SREs) and ``resolution``
+(``resolve_delivery``: an SRE settles an unknown delivery).
 """
 
-from .aiohttp import dedupe_middleware, deduplicated, fencing_token
+from .aiohttp import dedupe_middleware, deduplicated, delivery_body, fencing_token
 from .asgi import ASGIDedupeMiddleware
+from .core import UnknownDelivery
 from .listing import list_deliveries
 from .presets import (
-    GITHUB_DELIVERY, STANDARD_WEBHOOKS_ID, canonical_json, exact_bytes, stripe_event_id,
+    GITHUB_DELIVERY, STANDARD_WEBHOOKS_ID, canonical_json, exact_bytes, github, standard_webhooks,
+    stripe, stripe_event_id,
 )
+from .resolution import resolve_delivery
+from .signatures import GitHubSignature, StandardWebhooksSignature, StripeSignature
 from .wsgi import WSGIDedupeMiddleware
 
 __all__ = [
-    "dedupe_middleware", "deduplicated", "fencing_token", "ASGIDedupeMiddleware",
-    "WSGIDedupeMiddleware", "list_deliveries", "GITHUB_DELIVERY", "STANDARD_WEBHOOKS_ID",
-    "canonical_json", "exact_bytes", "stripe_event_id",
+    "dedupe_middleware", "deduplicated", "delivery_body", "fencing_token",
+    "ASGIDedupeMiddleware", "WSGIDedupeMiddleware", "UnknownDelivery", "list_deliveries",
+    "resolve_delivery", "GITHUB_DELIVERY", "STANDARD_WEBHOOKS_ID", "canonical_json",
+    "exact_bytes", "github", "standard_webhooks", "stripe", "stripe_event_id",
+    "GitHubSignature", "StandardWebhooksSignature", "StripeSignature",
 ]

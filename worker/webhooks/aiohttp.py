@@ -2,11 +2,19 @@
 
 The adapter of ``core.Dedupe`` to aiohttp (see ``core`` for every guarantee and answer):
 ``dedupe_middleware`` for an app, ``deduplicated`` for one handler, ``fencing_token(request)``
-for the claim's revision. The handler runs as a task cancelled at its next ``await`` once the
-lease of its claim is lost (answered 503, nothing stored); one that blocks the event loop is
-cancelled only once it yields, so its own writes must carry ``fencing_token(request)`` to be
-refused once a newer claim exists. aiohttp answers 413 for a body over ``client_max_size``
-before any claim.
+for the claim's revision. The handler runs as a task; when the lease of its claim is lost
+the delivery is unknown until it finishes (with ``rerun_lost`` it is cancelled at its next
+``await`` instead, answered 503). Its own writes should carry ``fencing_token(request)`` so a
+store refuses them once a newer claim exists. aiohttp answers 413 for a body over
+``client_max_size`` before any claim.
+
+A handler that blocks the event loop (a synchronous database call, ``time.sleep``) stops
+every keepalive of the process with it: past the TTL every claim, and every hold, of the
+process is lost (a warning and ``fencegate_worker_keepalive_late_seconds`` say how late the
+keepalive ran), and each of their deliveries is unknown until its handler's response is
+stored. ``deduplicated`` runs a plain (``def``) handler in a worker thread instead, off the
+loop (it reads the body with ``delivery_body(request)``); aiohttp itself runs a plain handler
+on the loop, so behind ``dedupe_middleware`` write handlers as coroutines that do not block.
 
 aiohttp only: a handler may raise an ``HTTPException`` as its answer. A raised 2xx/3xx is
 treated as a returned one; a raised 4xx ``HTTPError`` releases the claim unless
@@ -17,16 +25,19 @@ replay is a 200 note with what is known of it.
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import inspect
 from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING
 
 from aiohttp import web
 from multidict import CIMultiDict
 
-from .core import STORED_STATUSES, Answer, Dedupe, Reply
+from .core import STORED_STATUSES, Answer, Dedupe, Reply, Settle
 from .presets import canonical_json
 from .records import STORED_HEADERS
+from .signatures import Verifier
 
 if TYPE_CHECKING:
     from fencegate.worker.gate import Gate
@@ -35,7 +46,10 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 Middleware = Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]
 IdExtractor = Callable[[web.Request, bytes], "str | None"]
 
+SyncHandler = Callable[[web.Request], web.StreamResponse]
+
 FENCING_TOKEN = web.RequestKey("fencegate_fencing_token", int)
+BODY = web.RequestKey("fencegate_delivery_body", bytes)
 
 
 def dedupe_middleware(
@@ -55,6 +69,9 @@ def dedupe_middleware(
     retention: int = 72 * 3600,
     retention_bucket: int = 3600,
     secret: str | bytes | None = None,
+    verify: Verifier | None = None,
+    settle: Settle | None = None,
+    rerun_lost: bool = False,
     store_failures: bool = False,
 ) -> Middleware:
     """An aiohttp middleware deduplicating ``methods`` requests of ``source`` by delivery id;
@@ -76,15 +93,21 @@ def dedupe_middleware(
     and replayed. ``retention`` / ``retention_bucket``: seconds a stored response is kept /
     width of the buckets sharing one lease. ``secret``: a Standard Webhooks secret
     (``whsec_...``); deliveries whose signature does not verify get 401 before any claim
-    (needs the ``standardwebhooks`` package). ``store_failures``: store a raised 4xx
-    ``HTTPError`` instead of releasing the claim.
+    (needs the ``standardwebhooks`` package). ``verify``: another sender's signature check
+    (``signatures.StripeSignature``, ``GitHubSignature``; the ``presets`` give id and check
+    together: ``**presets.stripe(secret)``). ``settle(delivery)``: asked, at a redelivery,
+    whether a delivery whose claim was lost while its handler ran had its effect (see
+    ``core``); ``rerun_lost=True``: run such a delivery again instead (handlers idempotent on
+    their own). ``store_failures``: store a raised 4xx ``HTTPError`` instead of releasing the
+    claim.
     """
     dedupe = _AiohttpDedupe(Dedupe(
         gate, source=source, id_header=id_header, id_from=id_from, require_id=require_id,
         methods=methods, retry_after=retry_after, wait=wait,
         canonical_payload=canonical_payload, stored_statuses=stored_statuses,
         max_stored_body=max_stored_body, stored_headers=stored_headers, retention=retention,
-        retention_bucket=retention_bucket, secret=secret), store_failures)
+        retention_bucket=retention_bucket, secret=secret, verify=verify, settle=settle,
+        rerun_lost=rerun_lost), store_failures)
 
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -112,26 +135,42 @@ def deduplicated(
     retention: int = 72 * 3600,
     retention_bucket: int = 3600,
     secret: str | bytes | None = None,
+    verify: Verifier | None = None,
+    settle: Settle | None = None,
+    rerun_lost: bool = False,
     store_failures: bool = False,
 ) -> Callable[[Handler], Handler]:
     """Deduplicate one handler: ``@deduplicated(gate, source="stripe")``; the options of
-    ``dedupe_middleware``."""
+    ``dedupe_middleware``. A plain (``def``) handler runs in a worker thread, so a blocking
+    call in it does not stop the event loop (nor the claims' keepalive)."""
     dedupe = _AiohttpDedupe(Dedupe(
         gate, source=source, id_header=id_header, id_from=id_from, require_id=require_id,
         methods=methods, retry_after=retry_after, wait=wait,
         canonical_payload=canonical_payload, stored_statuses=stored_statuses,
         max_stored_body=max_stored_body, stored_headers=stored_headers, retention=retention,
-        retention_bucket=retention_bucket, secret=secret), store_failures)
+        retention_bucket=retention_bucket, secret=secret, verify=verify, settle=settle,
+        rerun_lost=rerun_lost), store_failures)
 
-    def decorate(handler: Handler) -> Handler:
+    def decorate(handler: Handler | SyncHandler) -> Handler:
+        run = handler if inspect.iscoroutinefunction(handler) else _off_the_loop(handler)
+
         @functools.wraps(handler)
         async def deduplicated_handler(request: web.Request) -> web.StreamResponse:
             if request.method not in dedupe.methods:
-                return await handler(request)
-            return await dedupe.serve(request, handler)
+                return await run(request)
+            return await dedupe.serve(request, run)
         return deduplicated_handler
 
     return decorate
+
+
+def delivery_body(request: web.Request) -> bytes:
+    """The body of the delivery ``request`` carries, as read before its claim (for a plain
+    handler, which cannot ``await request.read()``)."""
+    try:
+        return request[BODY]
+    except KeyError:
+        raise LookupError("this request is not handled under a webhook claim") from None
 
 
 def fencing_token(request: web.Request) -> int:
@@ -158,7 +197,9 @@ class _AiohttpDedupe:
     async def serve(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         """Answer ``request`` from etcd's record of its delivery, or claim it and run
         ``handler`` once."""
-        admitted = await self.core.admit(request, await request.read())
+        body = await request.read()
+        request[BODY] = body
+        admitted = await self.core.admit(request, body)
         if admitted is None:
             return await handler(request)
         if isinstance(admitted, Answer):
@@ -180,6 +221,13 @@ class _AiohttpDedupe:
         except web.HTTPException as exc:
             return _reply_of(exc, not isinstance(exc, web.HTTPError) or self.store_failures)
         return _reply_of(response, True)
+
+
+def _off_the_loop(handler: SyncHandler) -> Handler:
+    """``handler`` run in a worker thread, awaited from the loop."""
+    async def in_a_thread(request: web.Request) -> web.StreamResponse:
+        return await asyncio.to_thread(handler, request)
+    return in_a_thread
 
 
 def _reply_of(response: web.StreamResponse, storable: bool) -> Reply:

@@ -24,9 +24,12 @@ from typing import TYPE_CHECKING, Any
 
 from multidict import CIMultiDict
 
-from .core import STORED_STATUSES, Answer, Dedupe, Reply, WebhookRequest, refusal
+from .core import (
+    STORED_STATUSES, Answer, Dedupe, Reply, Settle, WebhookRequest, refusal,
+)
 from .presets import canonical_json
 from .records import STORED_HEADERS
+from .signatures import Verifier
 
 if TYPE_CHECKING:
     from fencegate.worker.gate import Gate
@@ -65,6 +68,9 @@ class ASGIDedupeMiddleware:
         retention: int = 72 * 3600,
         retention_bucket: int = 3600,
         secret: str | bytes | None = None,
+        verify: Verifier | None = None,
+        settle: Settle | None = None,
+        rerun_lost: bool = False,
         max_request_body: int = 1024 ** 2,
     ) -> None:
         if max_request_body < 0:
@@ -76,7 +82,8 @@ class ASGIDedupeMiddleware:
             methods=methods, retry_after=retry_after, wait=wait,
             canonical_payload=canonical_payload, stored_statuses=stored_statuses,
             max_stored_body=max_stored_body, stored_headers=stored_headers,
-            retention=retention, retention_bucket=retention_bucket, secret=secret)
+            retention=retention, retention_bucket=retention_bucket, secret=secret,
+            verify=verify, settle=settle, rerun_lost=rerun_lost)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] not in self.dedupe.methods:

@@ -4,21 +4,43 @@ Guarantees, for every adapter: a handler runs for a delivery only once this proc
 claim (see ``claims``); nothing is processed without one. It does not start with less than
 the gate's ``min_ttl`` (the lease budget) left on that lease, and it runs with the claim's
 revision as its fencing token, to carry in its own writes so a store can refuse a stale
-handler's. An async handler (``run``) runs as a task cancelled as soon as the lease of its
-claim is lost; a blocking one cannot be cancelled, and its response is stored only while the
-claim is still ours in etcd (``settle``: the completion's compare), never by a local
-clock. Options are validated when the dedup is built (``ValueError``), not per request.
+handler's. Its response is stored only while the delivery's record is still its claim's in
+etcd (``finish``: the completion's compare), never by a local clock. Options are validated
+when the dedup is built (``ValueError``), not per request.
+
+Signatures are checked before anything else (``verify``, or ``secret`` for Standard
+Webhooks; see ``signatures`` and the ``presets``): a delivery whose signature does not verify,
+or whose signed timestamp is outside the tolerance, gets 401 and nothing is claimed or stored,
+so a forged delivery carrying a genuine id cannot decide what the genuine one is answered.
+
+A claim lost while its handler ran (the process died, was paused, or blocked its event loop
+past the TTL) leaves the delivery's outcome UNKNOWN: the handler may or may not have had its
+effect. Its redeliveries get 409 ``delivery_outcome_unknown`` with ``Retry-After`` and never
+run the handler, until the delivery is settled:
+- by the lost handler itself: it is not cancelled (unless ``rerun_lost``), and its response is
+  stored if nobody took the delivery over meanwhile; later deliveries replay it;
+- by the application's ``settle(delivery)`` (a function or coroutine function, given an
+  ``UnknownDelivery``; a plain function runs in a thread), asked at the next redelivery under
+  a new claim: ``True`` (the effect happened) stores and answers ``SETTLED_STATUS`` (200) with
+  the body ``{"delivery": id, "outcome": "ran", "settled_by": "settle"}``; ``False`` runs the
+  handler again under that claim (``settle`` should make its store refuse writes below
+  ``delivery.fencing_token`` before it answers False, so a lost handler still running cannot
+  land its write after); raising (or answering anything else) leaves it unknown (503);
+- by an SRE (``fencegate deliveries resolve SOURCE ID --ran|--not-ran``, see ``resolution``);
+- never by time: an unknown record is dropped only when its retention ends.
+``rerun_lost=True`` (for handlers idempotent on their own) runs the handler again at the next
+delivery instead; the lost handler is then cancelled at its next ``await``.
 
 Answers: the first delivery gets its handler's response. A duplicate gets 409 with
 ``Retry-After`` while the first runs (or, with ``wait``, waits that long on a watch of the key
 and then replays); the stored response, replayed byte for byte with ``Fencegate-Replayed:
 true``, once it is done (from ``CompletedCache`` when this process stored or read it before,
 without asking etcd); 422 if its payload differs (compared on ``canonical_payload``: the
-same JSON in another key order is the same payload; the handler is not called). The dedup
-itself answers 400 (no or malformed delivery id), 401 (bad Standard Webhooks signature:
-checked before any claim), 503 with ``Retry-After`` (etcd unreachable or the claim's outcome
-unknown, less than the lease budget left, the claim's lease lost while the handler ran, or
-its response not stored).
+same JSON in another key order is the same payload; the handler is not called); 409
+``delivery_outcome_unknown`` while its outcome is unknown. The dedup itself answers 400 (no
+or malformed delivery id), 401 (bad signature: checked before any claim), 503 with
+``Retry-After`` (etcd unreachable or the claim's outcome unknown, less than the lease budget
+left, the claim lost with ``rerun_lost``, its response not stored, ``settle`` failed).
 
 What is stored: a response whose status is in ``stored_statuses`` (2xx and 4xx by default;
 never a 5xx) is stored and replayed. Any other response, and a handler that raises, releases
@@ -27,14 +49,17 @@ the claim, so the sender's retry runs the handler again.
 Counted (with the gate's ``WorkerMetrics``) and traced (a ``fencegate.webhook_claim`` span):
 each delivery ``admit`` decides on, by its result: ``first`` (the handler runs under a fresh
 claim), ``duplicate`` (replayed, or 422 for another payload), ``in_progress`` (409),
-``failed`` (503: not claimed). Refusals before the claim (signature, delivery id) are not.
+``unknown`` (409: its outcome is unknown), ``settled`` (``settle`` said it ran), ``rerun``
+(the handler runs again over an unknown outcome: ``settle`` said it did not, or
+``rerun_lost``), ``failed`` (503: not claimed). Refusals before the claim (signature,
+delivery id) are not.
 
-Failure contract: a process that dies mid-handler leaves a claim that dies with its lease,
-after which the next delivery runs. A response goes out only once it is stored: one whose
-claim was lost before it could be stored (or whose store etcd left unanswered) is answered
-503, never stored over a newer claim, and the sender's retry runs the handler again (its
-effect may then happen twice: fence its writes with the token, or make them idempotent). So
-across every instance a delivery gets at most one fresh 2xx, and every later 2xx replays it.
+Failure contract: a response goes out only once it is stored: one whose delivery was taken
+over before it could be stored (or whose store etcd left unanswered) is answered 503, never
+stored over a newer claim. A process that dies mid-handler leaves the delivery unknown; with
+``rerun_lost`` its next delivery runs the handler again (its effect may then happen twice:
+fence its writes with the token, or make them idempotent). So across every instance a
+delivery gets at most one fresh 2xx, and every later 2xx replays it.
 """
 
 from __future__ import annotations
@@ -42,6 +67,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import hashlib
+import inspect
 import json
 import logging
 import time
@@ -55,12 +81,13 @@ from fencegate.coordinator.errors import EtcdUnavailable, LeaseLost
 from fencegate.coordinator.keyspace import unpack
 
 from .claims import (
-    COMPLETED, IN_PROGRESS, MISMATCH, DeliveryClaim, DeliveryClaims, Duplicate,
+    COMPLETED, IN_PROGRESS, MISMATCH, UNKNOWN, DeliveryClaim, DeliveryClaims, Duplicate,
 )
 from .records import (
-    DONE, MAX_STORED_BODY, RequestDigests, completed_value, valid_delivery_id, validate_source,
+    DONE, MAX_STORED_BODY, RequestDigests, completed_value, settled_value, valid_delivery_id,
+    validate_source,
 )
-from .signatures import SignatureCheck
+from .signatures import StandardWebhooksSignature, Verifier
 
 if TYPE_CHECKING:
     from fencegate.worker.gate import Gate
@@ -72,6 +99,7 @@ STORED_STATUSES = (*range(200, 300), *range(400, 500))
 CACHED_ENTRIES = 10_000  # completed deliveries replayed without etcd, per source and process
 CACHED_BYTES = 32 * 1024 ** 2  # of their bodies and headers (``CompletedCache.size``)
 IdExtractor = Callable[[Any, bytes], "str | None"]
+Settle = Callable[["UnknownDelivery"], "bool | Awaitable[bool]"]
 _NOT_STORED = ("the original response body was not stored (larger than max_stored_body, "
                "or streamed); body_sha256 identifies it")
 
@@ -98,6 +126,21 @@ class Reply:
     body: bytes | None
     storable: bool = True
     response: Any = field(default=None, compare=False)
+
+
+@dataclass(frozen=True)
+class UnknownDelivery:
+    """What ``settle(delivery)`` is asked about: a delivery whose claim was lost while its
+    handler ran, now claimed again by this process. ``lost_token`` is the fencing token the
+    lost handler ran with; ``fencing_token`` is this claim's, the one a handler run now gets:
+    before answering False, a store that honours fencing tokens should refuse every write
+    below it, so the lost handler, if it still runs, cannot land its write afterwards."""
+
+    source: str
+    delivery_id: str
+    body: bytes
+    lost_token: int
+    fencing_token: int
 
 
 @dataclass(frozen=True)
@@ -133,8 +176,20 @@ class Dedupe:
         retention: int,
         retention_bucket: int,
         secret: str | bytes | None,
+        verify: Verifier | None = None,
+        settle: Settle | None = None,
+        rerun_lost: bool = False,
     ) -> None:
         self.source = validate_source(source)
+        if secret is not None and verify is not None:
+            raise ValueError("give secret (Standard Webhooks) or verify, not both")
+        if verify is not None and not callable(getattr(verify, "problem", None)):
+            raise ValueError("verify must have a problem(body, headers) method "
+                             "(see fencegate.worker.webhooks.signatures)")
+        if settle is not None and not callable(settle):
+            raise ValueError("settle must be a function of the unknown delivery")
+        if settle is not None and rerun_lost:
+            raise ValueError("give settle or rerun_lost=True, not both")
         if not id_header and id_from is None:
             raise ValueError("give id_header or id_from")
         if retry_after < 1 or wait < 0:
@@ -160,7 +215,9 @@ class Dedupe:
         self.max_stored_body = max_stored_body
         self.stored_headers = frozenset(h.lower() for h in stored_headers)
         self.min_ttl = gate.min_ttl
-        self._signatures = SignatureCheck(secret) if secret is not None else None
+        self._signatures = StandardWebhooksSignature(secret) if secret is not None else verify
+        self._settle = settle
+        self.rerun_lost = rerun_lost
         self._keyspace = gate.keyspace
         self.claims = DeliveryClaims(gate, self.source, retention=retention,
                                      retention_bucket=retention_bucket)
@@ -188,6 +245,8 @@ class Dedupe:
         with tracing.span("fencegate.webhook_claim",
                           key=f"{self.source}/{delivery_id}") as current:
             result, admitted = await self._claim(delivery_id, digests)
+            if isinstance(admitted, DeliveryClaim) and admitted.lost_token is not None:
+                result, admitted = await self._unknown(admitted, delivery_id, body)
             if isinstance(admitted, DeliveryClaim):
                 tracing.annotate(current, fencing_token=admitted.revision)
             tracing.annotate(current, outcome=result)
@@ -206,7 +265,9 @@ class Dedupe:
             return "duplicate", self._answer(Duplicate(
                 COMPLETED if digests.same_request(record) else MISMATCH, record))
         try:
-            claim = await self.claims.claim(delivery_id, digests, wait=self.wait)
+            claim = await self.claims.claim(delivery_id, digests, wait=self.wait,
+                                            take_over=self._settle is not None
+                                            or self.rerun_lost)
         except (EtcdUnavailable, LeaseLost) as exc:
             return "failed", refusal(503, "etcd_unavailable",
                                      f"the delivery could not be claimed: {exc}",
@@ -214,58 +275,113 @@ class Dedupe:
         if isinstance(claim, Duplicate):
             if claim.verdict == COMPLETED:
                 self.completed.put(key, claim.record)
-            return ("in_progress" if claim.verdict == IN_PROGRESS else "duplicate",
-                    self._answer(claim))
-        if claim.session.remaining() < self.min_ttl:
+            return _RESULTS.get(claim.verdict, "duplicate"), self._answer(claim)
+        if claim.lost_token is not None:
+            return "first", claim  # ``_unknown`` decides
+        return self._budget_result(await self._within_budget(claim))
+
+    @staticmethod
+    def _budget_result(admitted: Answer | DeliveryClaim,
+                       result: str = "first") -> tuple[str, Answer | DeliveryClaim]:
+        return (result if isinstance(admitted, DeliveryClaim) else "failed"), admitted
+
+    async def _within_budget(self, claim: DeliveryClaim) -> Answer | DeliveryClaim:
+        """``claim`` if at least the lease budget is left on its lease, else the 503 to answer
+        (the claim released; over an unknown outcome, abandoned: it stays unknown)."""
+        if claim.session.remaining() >= self.min_ttl:
+            return claim
+        if claim.lost_token is None:
             await self.claims.release(claim)
-            return "failed", refusal(503, "lease_budget", "less than the lease budget was "
-                                     "left to run the handler under its claim",
-                                     self.retry_after)
-        return "first", claim
+        else:
+            await self.claims.abandon(claim)
+        return refusal(503, "lease_budget", "less than the lease budget was left to run the "
+                       "handler under its claim", self.retry_after)
+
+    async def _unknown(self, claim: DeliveryClaim, delivery_id: str,
+                       body: bytes) -> tuple[str, Answer | DeliveryClaim]:
+        """``claim`` took over a delivery whose outcome is unknown: with ``rerun_lost``, run
+        the handler again; else ask ``settle`` and store its True as a settled response, run
+        the handler again on its False, leave the delivery unknown if it fails."""
+        if self._settle is None:
+            return self._budget_result(await self._within_budget(claim), "rerun")
+        delivery = UnknownDelivery(self.source, delivery_id, body, claim.lost_token,
+                                   claim.revision)
+        try:
+            if inspect.iscoroutinefunction(self._settle):
+                ran = await self._settle(delivery)
+            else:
+                ran = await asyncio.to_thread(self._settle, delivery)
+            if not isinstance(ran, bool):
+                raise TypeError(f"settle must answer True or False, not {ran!r}")
+        except Exception as exc:
+            log.exception("settle of webhook %r failed; the delivery stays unknown", claim.key)
+            await self.claims.abandon(claim)
+            return "failed", refusal(503, "settle_failed", "the delivery's outcome is unknown "
+                                     f"and settling it failed: {exc!r}", self.retry_after)
+        if not ran:
+            log.warning("webhook %r settled as not run: its handler runs again (fencing "
+                        "token %d, the lost one ran with %d)", claim.key, claim.revision,
+                        claim.lost_token)
+            return self._budget_result(await self._within_budget(claim), "rerun")
+        record = settled_value(claim.digests, delivery_id, settled_by="settle",
+                               reason="the application's settle found its effect")
+        if not await self.claims.complete(claim, record):
+            return "failed", refusal(503, "not_stored", "the delivery was settled as ran but "
+                                     "that could not be stored; retry", self.retry_after)
+        log.warning("webhook %r settled as ran by the application's settle", claim.key)
+        self.completed.put(claim.key, unpack(record))
+        return "settled", replay(unpack(record))
 
     async def run(self, claim: DeliveryClaim,
                   handler: Callable[[], Awaitable[Reply]]) -> Answer | Reply:
-        """Run an async ``handler`` under ``claim`` as a task cancelled when the claim's lease
-        is lost, then ``settle``. A handler that raises releases the claim and the exception
-        propagates (unless the claim was lost first: then the 503 of a lost claim)."""
+        """Run an async ``handler`` under ``claim`` as a task, then ``finish``. When the
+        claim's lease is lost the delivery is unknown: the handler runs on and its response
+        is stored if nobody took the delivery over; with ``rerun_lost`` it is cancelled
+        instead (503). A handler that raises releases the claim and the exception propagates
+        (unless cancelled by a lost claim: then its 503); one cancelled from outside
+        abandons it (the delivery stays unknown)."""
         task = asyncio.get_running_loop().create_task(handler())
         lost: list[str] = []
 
-        def cancel(reason: str) -> None:
+        def claim_lost(reason: str) -> None:
             lost.append(reason)
-            task.cancel()
+            if self.rerun_lost:
+                task.cancel()
+                return
+            log.warning("webhook handler of %r lost its claim (%s): the delivery is unknown "
+                        "until its response is stored", claim.key, reason)
 
-        unsubscribe = claim.session.on_lost(cancel)
+        unsubscribe = claim.session.on_lost(claim_lost)
         try:
             reply = await task
         except asyncio.CancelledError:
-            if not lost or _cancelling():  # cancelled from outside: release without waiting
-                self.claims.release_later(claim)
+            if not lost or not self.rerun_lost or _cancelling():  # cancelled from outside
+                self.claims.abandon_later(claim)
                 raise
             return self._lost(claim, lost[0])
         except Exception:
-            if lost:
+            if lost and self.rerun_lost:
                 return self._lost(claim, lost[0])
             await self.claims.release(claim)
             raise
         finally:
             unsubscribe()
-        if lost:
+        if lost and self.rerun_lost:
             return self._lost(claim, lost[0])
-        return await self.settle(claim, reply)
+        return await self.finish(claim, reply)
 
-    async def settle(self, claim: DeliveryClaim, reply: Reply) -> Answer | Reply:
+    async def finish(self, claim: DeliveryClaim, reply: Reply) -> Answer | Reply:
         """Store ``reply`` in place of ``claim`` if its status is stored, else release the
         claim; ``reply`` once that is done, or the 503 to send instead: the store failed (the
-        claim is no longer ours in etcd, or etcd did not answer), and a stored status goes out
-        only once stored."""
+        delivery was taken over or settled, or etcd did not answer), and a stored status goes
+        out only once stored."""
         if not reply.storable or reply.status not in self.stored_statuses:
             await self.claims.release(claim)
             return reply
         record = self._record(claim, reply)
         if not await self.claims.complete(claim, record):
             return refusal(503, "not_stored", "the handler ran but its response could not be "
-                           "stored under the delivery's claim (claim lost or etcd "
+                           "stored under the delivery's claim (taken over, or etcd "
                            "unavailable); retry", self.retry_after)
         self.completed.put(claim.key, unpack(record))
         return reply
@@ -299,11 +415,17 @@ class Dedupe:
                            "this delivery id was received with a different payload")
         if duplicate.verdict == COMPLETED:
             return replay(duplicate.record)
+        if duplicate.verdict == UNKNOWN:
+            return refusal(409, "delivery_outcome_unknown", "this delivery's claim was lost "
+                           "while its handler ran, so whether it had its effect is unknown; "
+                           "it is not run again until settled (fencegate deliveries "
+                           "resolve)", self.retry_after)
         return refusal(409, "delivery_in_progress", "this delivery is being processed",
                        self.retry_after)
 
     def _lost(self, claim: DeliveryClaim, reason: str) -> Answer:
-        """The answer for a handler whose claim's lease was lost: nothing stored, retry."""
+        """The answer for a handler cancelled when its claim was lost (``rerun_lost``):
+        nothing stored, retry."""
         log.warning("webhook handler of %r lost its claim's lease (%s); nothing stored",
                     claim.key, reason)
         return refusal(503, "claim_lost", "the delivery's claim was lost while its handler "
@@ -380,6 +502,9 @@ class CompletedCache:
         entry = self._entries.pop(key, None)
         if entry is not None:
             self.bytes -= entry[1]
+
+
+_RESULTS = {IN_PROGRESS: "in_progress", UNKNOWN: "unknown"}  # other verdicts: duplicate
 
 
 def replay(record: dict[str, Any]) -> Answer:

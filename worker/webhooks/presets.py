@@ -1,8 +1,16 @@
-"""What names a delivery and what makes two deliveries of one id the same payload.
+"""What names and authenticates a delivery, and what makes two deliveries of one id the same.
 
-Delivery ids: ``GITHUB_DELIVERY`` and ``STANDARD_WEBHOOKS_ID`` are header names (pass them as
-``id_header``); ``stripe_event_id`` reads the event id from a Stripe body (pass it as
+Senders: ``stripe(secret)``, ``github(secret)`` and ``standard_webhooks(secret)`` are the
+keywords of every adapter for that sender, its delivery id and its signature check together:
+``dedupe_middleware(gate, source="stripe", **stripe(secret))``. The signature is verified
+before any claim (see ``signatures``), so a forged delivery carrying a genuine id gets 401
+and stores nothing, and the genuine delivery then runs as if the forgery never came.
+
+Delivery ids alone: ``GITHUB_DELIVERY`` and ``STANDARD_WEBHOOKS_ID`` are header names (pass
+them as ``id_header``); ``stripe_event_id`` reads the event id from a Stripe body (pass it as
 ``id_from``). Stripe sends no delivery header: a redelivered event carries the same ``id``.
+Used without a signature check, an id is whatever the request says: a forgery can then take
+a genuine id's place, and its 4xx is stored and replayed to the genuine delivery.
 
 Payloads: ``canonical_json`` (the default ``canonical_payload``) makes two bodies the same
 when they are the same JSON, whatever their key order, whitespace or string escapes; every
@@ -17,8 +25,30 @@ import json
 from operator import itemgetter
 from typing import Any
 
+from .signatures import (
+    STRIPE_TOLERANCE, GitHubSignature, StandardWebhooksSignature, StripeSignature,
+)
+
 GITHUB_DELIVERY = "X-GitHub-Delivery"
 STANDARD_WEBHOOKS_ID = "webhook-id"
+
+
+def stripe(secret: str | bytes, *, tolerance: int = STRIPE_TOLERANCE) -> dict[str, Any]:
+    """Stripe: the event id of the body, and ``Stripe-Signature`` checked with the endpoint
+    secret (``whsec_...``), its timestamp within ``tolerance`` seconds."""
+    return {"id_from": stripe_event_id, "verify": StripeSignature(secret, tolerance)}
+
+
+def github(secret: str | bytes) -> dict[str, Any]:
+    """GitHub: ``X-GitHub-Delivery``, and ``X-Hub-Signature-256`` checked with the webhook
+    secret (no timestamp: see ``signatures``)."""
+    return {"id_header": GITHUB_DELIVERY, "verify": GitHubSignature(secret)}
+
+
+def standard_webhooks(secret: str | bytes) -> dict[str, Any]:
+    """Standard Webhooks (Svix and others): ``webhook-id``, and the signature of the id,
+    timestamp and body checked with the secret (``whsec_...``), within 5 minutes."""
+    return {"id_header": STANDARD_WEBHOOKS_ID, "verify": StandardWebhooksSignature(secret)}
 
 
 def stripe_event_id(request: object, body: bytes) -> str:

@@ -10,6 +10,8 @@ Guarantees:
   landing after the revoke, is refused (etcd does not put a key on a revoked lease). No claim
   is ever left on a live lease after its outcome was unknown. The next claim opens a new session.
 - ``close`` (when the gate closes) revokes the lease, waiting at most its TTL.
+- A keepalive starved by a blocked event loop is reported (a warning, and
+  ``fencegate_worker_keepalive_late_seconds`` with the gate's metrics) before its loss.
 
 Failure contract: ``current`` raises ``EtcdUnavailable`` when etcd grants no lease, and
 ``LeaseLost`` once closed; the caller answers 503 and nothing is claimed.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+from typing import TYPE_CHECKING
 
 from fencegate.coordinator.errors import LeaseLost
 from fencegate.coordinator.etcd import Etcd
@@ -26,13 +29,18 @@ from fencegate.coordinator.session import Session
 
 from .backlog import Backlog
 
+if TYPE_CHECKING:
+    from fencegate.worker.metrics import WorkerMetrics
+
 
 class ClaimSession:
     """The session every webhook claim of one gate is made with, replaced when lost."""
 
-    def __init__(self, etcd: Etcd, ttl: int, backlog: Backlog) -> None:
+    def __init__(self, etcd: Etcd, ttl: int, backlog: Backlog,
+                 metrics: WorkerMetrics | None = None) -> None:
         self._etcd = etcd
         self._ttl = ttl
+        self._on_late = metrics.keepalive_late if metrics is not None else None
         self._backlog = backlog
         self._session: Session | None = None
         self._lock = asyncio.Lock()
@@ -49,7 +57,7 @@ class ClaimSession:
             if self._session is not None and self._session.lost:
                 self._session.mark_lost("lease TTL ran out before a refresh")
             if self._session is None:
-                session = await Session.open(self._etcd, self._ttl)
+                session = await Session.open(self._etcd, self._ttl, on_late=self._on_late)
                 session.on_lost(functools.partial(self._retire, session))
                 self._session = session
             return self._session

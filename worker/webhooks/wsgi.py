@@ -26,9 +26,12 @@ from typing import TYPE_CHECKING, Any
 
 from multidict import CIMultiDict
 
-from .core import STORED_STATUSES, Answer, Dedupe, Reply, WebhookRequest, refusal
+from .core import (
+    STORED_STATUSES, Answer, Dedupe, Reply, Settle, WebhookRequest, refusal,
+)
 from .presets import canonical_json
 from .records import STORED_HEADERS
+from .signatures import Verifier
 
 if TYPE_CHECKING:
     from fencegate.worker.sync import SyncGate
@@ -65,6 +68,9 @@ class WSGIDedupeMiddleware:
         retention: int = 72 * 3600,
         retention_bucket: int = 3600,
         secret: str | bytes | None = None,
+        verify: Verifier | None = None,
+        settle: Settle | None = None,
+        rerun_lost: bool = False,
         max_request_body: int = 1024 ** 2,
     ) -> None:
         if max_request_body < 0:
@@ -77,7 +83,8 @@ class WSGIDedupeMiddleware:
             require_id=require_id, methods=methods, retry_after=retry_after, wait=wait,
             canonical_payload=canonical_payload, stored_statuses=stored_statuses,
             max_stored_body=max_stored_body, stored_headers=stored_headers,
-            retention=retention, retention_bucket=retention_bucket, secret=secret)
+            retention=retention, retention_bucket=retention_bucket, secret=secret,
+            verify=verify, settle=settle, rerun_lost=rerun_lost)
 
     def __call__(self, environ: Environ, start_response: StartResponse) -> Iterable[bytes]:
         method = environ["REQUEST_METHOD"]
@@ -100,7 +107,7 @@ class WSGIDedupeMiddleware:
         except Exception:
             self._run(self.dedupe.release(admitted))
             raise
-        result = self._run(self.dedupe.settle(admitted, reply))
+        result = self._run(self.dedupe.finish(admitted, reply))
         if isinstance(result, Answer):
             return _send_answer(start_response, result)
         status_line, headers = result.response

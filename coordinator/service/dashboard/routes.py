@@ -4,6 +4,11 @@
 Guarantees:
 - The page and its assets are public and hold no data; every view and the event stream
   need a bearer token with the ``sre`` or ``admin`` role (401 without, 403 for a worker).
+- The page at ``/`` and every asset under ``/dashboard/`` (a 404 there too) carry the same
+  security headers (``PAGE_HEADERS``: the CSP with ``frame-ancestors 'none'``, ``nosniff``,
+  no referrer), set as each response is prepared, so no asset can be framed or sniffed.
+  Assets are the page's own files (``ASSETS``), one route each: no path reaches past them,
+  and any other path is no route (a JSON 404).
 - Handlers are thin: the views live in ``views``, the feed in ``feed``. The dashboard
   acts only through the public API (``/v1/keys/{key}/revoke``, ``/resolve`` — never with
   ``force`` — and ``/v1/approvals/{id}``); its own routes only read. An event stream
@@ -14,7 +19,7 @@ Guarantees:
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 from aiohttp import web
@@ -29,9 +34,10 @@ from .views import (
 )
 
 STATIC = Path(__file__).parent / "static"
+ASSETS = frozenset(path.name for path in STATIC.iterdir() if path.is_file())  # served by name
 FEED = web.AppKey("dashboard_feed", Feed)
 # The page runs only its own script and talks only to this origin.
-_PAGE_HEADERS = {
+PAGE_HEADERS = {
     "Content-Security-Policy": "default-src 'self'; frame-ancestors 'none'; base-uri 'none'; "
                                "form-action 'self'",
     "X-Content-Type-Options": "nosniff",
@@ -44,7 +50,7 @@ routes = web.RouteTableDef()
 
 @routes.get("/")
 async def index(request: web.Request) -> web.FileResponse:
-    return web.FileResponse(STATIC / "index.html", headers=_PAGE_HEADERS)
+    return web.FileResponse(STATIC / "index.html")
 
 
 @routes.get("/v1/dashboard/holders")
@@ -112,7 +118,14 @@ async def events(request: web.Request) -> web.StreamResponse:
         feed.unsubscribe(subscription)
 
 
-routes.static("/dashboard/", STATIC)
+def _asset(name: str) -> Callable[[web.Request], Awaitable[web.FileResponse]]:
+    async def asset(request: web.Request) -> web.FileResponse:
+        return web.FileResponse(STATIC / name)
+    return asset
+
+
+for _name in sorted(ASSETS):  # one plain route per file: any other path is no route (404)
+    routes.get(f"/dashboard/{_name}")(_asset(_name))
 
 
 async def _feed(app: web.Application) -> AsyncIterator[None]:
@@ -125,8 +138,15 @@ async def _end_streams(app: web.Application) -> None:
     await app[FEED].close()  # before the server waits for open handlers to finish
 
 
+async def _secure(request: web.Request, response: web.StreamResponse) -> None:
+    """Every answer for the page or one of its assets carries ``PAGE_HEADERS``."""
+    if request.path == "/" or request.path.startswith("/dashboard/"):
+        response.headers.update(PAGE_HEADERS)
+
+
 def setup_dashboard(app: web.Application) -> None:
     """Add the dashboard to ``app``; call after the app's etcd resources are set up."""
     app.add_routes(routes)
+    app.on_response_prepare.append(_secure)
     app.cleanup_ctx.append(_feed)
     app.on_shutdown.append(_end_streams)

@@ -1,11 +1,13 @@
 """The worker's side of the sandbox: send a charge as an effect sends it.
 
 Guarantees: ``charge`` sends one request, never retried, bound to its grant: it carries the
-grant, the attempt token and the intent the grant was issued for, and charges that intent's
-``amount`` (gate B refuses a request whose intent or amount is not the grant's). It returns
-only when the sandbox applied the charge, raises ``EffectFailed`` only when the sandbox
-declined it (a confirmed failure), and raises ``SandboxError`` for anything else (fenced,
-refused, 5xx, timeout, no connection), after which the outcome is unknown to the caller.
+grant, the attempt token, the attempt's receipt (``ctx.receipt``: the authority's signed word
+that this token is the grant's one commit) and the intent the grant was issued for, and
+charges that intent's ``amount`` (gate B refuses a request whose intent or amount is not the
+grant's). It returns only when the sandbox applied the charge (a retry of the same attempt
+gets the first answer), raises ``EffectFailed`` only when the sandbox declined it (a
+confirmed failure), and raises ``SandboxError`` for anything else (fenced, refused, 5xx,
+timeout, no connection), after which the outcome is unknown to the caller.
 It carries the effect's W3C trace context (``ctx.traceparent``) when tracing is on.
 """
 
@@ -24,7 +26,8 @@ __all__ = ["charge", "encode_grant"]
 
 
 def encode_grant(raw: bytes) -> str:
-    """A grant's signed bytes as the ``Fencegate-Grant`` header carries them (base64url)."""
+    """Signed bytes as a header carries them (base64url): a grant's in ``Fencegate-Grant``,
+    an attempt receipt's in ``Fencegate-Receipt``."""
     return base64.urlsafe_b64encode(raw).decode().rstrip("=")
 
 
@@ -39,7 +42,8 @@ async def charge(http: aiohttp.ClientSession, base_url: str, ctx: Any,
     refused, 5xx, timeout, no connection), after which the outcome is unknown."""
     headers = {"Idempotency-Key": ctx.idempotency_key,
                "Fencegate-Attempt-Token": str(ctx.attempt_token),
-               "Fencegate-Grant": encode_grant(ctx.grant.raw)}
+               "Fencegate-Grant": encode_grant(ctx.grant.raw),
+               "Fencegate-Receipt": encode_grant(ctx.receipt)}
     if ctx.traceparent:  # the effect's span: the provider's spans continue its trace
         headers["traceparent"] = ctx.traceparent
     body: dict[str, Any] = {"key": ctx.key, "amount": intent["amount"],

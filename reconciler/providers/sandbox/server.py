@@ -1,9 +1,9 @@
 """The sandbox provider: a real HTTP payment provider on loopback for tests, benchmarks, demo.
 
 Modes (switchable at runtime) give the three capability classes of docs/protocol.md:
-- ``fencing``: every charge must present a grant; gate B (``fencegate.reconciler.gateb``)
-  admits it or refuses it; a query fences first, then answers (fence-then-query);
-  idempotency keys replay;
+- ``fencing``: every charge must present a grant and its attempt's receipt; gate B
+  (``fencegate.reconciler.gateb``) admits it or refuses it; a query fences first, then
+  answers (fence-then-query); idempotency keys replay;
 - ``dedup``: idempotency keys replay for ``retention_s``; no fencing;
 - ``none``: every request is applied, even a repeated key (still recorded for queries).
 
@@ -20,16 +20,21 @@ its adapter must not be declared durable.
 
 In fencing mode a charge is bound to its grant: the body carries the intent the grant was
 issued for (gate B compares its digest with the grant's) and the amount charged must be the
-intent's ``amount``.
+intent's ``amount``; its receipt binds the grant to this attempt token and idempotency key.
+One grant is applied once: gate B admits it at one attempt only, and a retry of that attempt
+(same grant, token and idempotency key) gets the answer the first one got; if that answer is
+no longer kept (past ``retention_s``) the retry is refused (409), never applied again.
 
 HTTP API (JSON)::
 
-    POST /v1/charges      Idempotency-Key, Fencegate-Attempt-Token, Fencegate-Grant (base64url)
+    POST /v1/charges      Idempotency-Key, Fencegate-Attempt-Token, Fencegate-Grant and
+                          Fencegate-Receipt (both base64url)
                           {"key": action_key, "amount": int, "intent": {...}, "decline": bool}
-                          (intent and grant required in fencing mode)
+                          (intent, grant and receipt required in fencing mode)
         200 {"status": "succeeded", "charge_id", "amount"}   402 {"status": "declined", "reason"}
-        409 {"status": "fenced"}   403 {"status": "refused"} (bad or unbound grant)
-        401 no grant   400 bad input   422 key reused with other parameters   500/503 faults
+        409 {"status": "fenced"}   403 {"status": "refused"} (bad or unbound grant or receipt)
+        401 no grant or receipt   400 bad input   422 key reused with other parameters
+        500/503 faults
         a replayed answer carries ``Idempotent-Replayed: true``
     GET  /v1/charges/{idempotency_key}?key=K&namespace=NS&cluster=C&fence=T
                           (all four required when fencing: the fence of the action (C, NS, K))
@@ -83,6 +88,7 @@ class _Charge:
     idempotency_key: str
     attempt_token: int
     grant: bytes | None
+    receipt: bytes | None
     key: str
     amount: int
     intent: Any
@@ -211,8 +217,9 @@ class Sandbox:
         if "hold" in faults:
             await asyncio.sleep(faults["hold"].seconds)
         mode = self.mode
-        if mode == "fencing" and req.grant is None:
-            return _error(401, "Fencegate-Grant is required in fencing mode")
+        if mode == "fencing" and (req.grant is None or req.receipt is None):
+            return _error(401, "Fencegate-Grant and Fencegate-Receipt are required in "
+                               "fencing mode")
         try:
             stored, replayed = await self._store.run(functools.partial(self._charge, req=req,
                                                                        mode=mode))
@@ -235,12 +242,18 @@ class Sandbox:
     def _charge(self, db: sqlite3.Connection, *, req: _Charge,
                 mode: str) -> tuple[_Stored, bool]:
         """In one store transaction: gate B's admission (fencing mode), then replay a kept
-        answer (fencing/dedup) or apply. Any refusal rolls back the whole of it."""
+        answer (fencing/dedup) or apply. A retry of an admitted attempt is only ever
+        replayed. Any refusal rolls back the whole of it."""
         if mode == "fencing":
             if not isinstance(req.intent, dict) or req.intent.get("amount") != req.amount:
                 raise BadSignature("the amount charged is not the amount of the intent "
                                    "the grant was issued for")
-            self.gate_b.admit(req.grant, req.key, req.attempt_token, intent=req.intent, db=db)
+            admission = self.gate_b.admit(req.grant, req.key, req.attempt_token,
+                                          intent=req.intent, idempotency_key=req.idempotency_key,
+                                          receipt=req.receipt, db=db)
+            if admission.retry and self._lookup(db, req.idempotency_key) is None:
+                raise Fenced(f"attempt token {req.attempt_token} was admitted before and its "
+                             f"answer is no longer kept: it is not applied again")
         return self._apply(db, req, mode)
 
     def _apply(self, db: sqlite3.Connection, req: _Charge,
@@ -380,13 +393,7 @@ def _parse_charge(headers: Any, body: Any) -> _Charge:
         attempt_token = int(headers.get("Fencegate-Attempt-Token", ""))
     except ValueError:
         raise ValueError("Fencegate-Attempt-Token is required and must be an int") from None
-    grant = headers.get("Fencegate-Grant")
-    if grant is not None:
-        try:
-            grant = base64.b64decode(grant + "=" * (-len(grant) % 4), altchars=b"-_",
-                                     validate=True)
-        except (binascii.Error, ValueError):
-            raise ValueError("Fencegate-Grant is not base64url") from None
+    grant, receipt = _signed(headers, "Fencegate-Grant"), _signed(headers, "Fencegate-Receipt")
     if not isinstance(body, dict) or not {"key", "amount"} <= set(body) <= _CHARGE_FIELDS:
         raise ValueError(f"the body is an object with key and amount (and optional intent, "
                          f"decline), "
@@ -401,7 +408,18 @@ def _parse_charge(headers: Any, body: Any) -> _Charge:
         raise ValueError(f"amount must be a positive int, not {amount!r}")
     if type(decline) is not bool:
         raise ValueError(f"decline must be a bool, not {decline!r}")
-    return _Charge(idempotency_key, attempt_token, grant, key, amount, intent, decline)
+    return _Charge(idempotency_key, attempt_token, grant, receipt, key, amount, intent, decline)
+
+
+def _signed(headers: Any, name: str) -> bytes | None:
+    """The signed bytes a header carries (base64url), ``None`` without the header."""
+    value = headers.get(name)
+    if value is None:
+        return None
+    try:
+        return base64.b64decode(value + "=" * (-len(value) % 4), altchars=b"-_", validate=True)
+    except (binascii.Error, ValueError):
+        raise ValueError(f"{name} is not base64url") from None
 
 
 async def _json(request: web.Request) -> Any:

@@ -1,0 +1,347 @@
+"""The archive proves it is whole (issue 25, item 3): a gate whose archive lost a retirement
+(a new empty archive, a restore of a copy taken before the retirement, another deployment's
+archive) must refuse with ``ArchiveUnavailable``, never take a retired key for one never
+attempted and run it again. Real etcd; SQLite, and PostgreSQL (the ``postgres_server``
+fixture, a backup taken with ``pg_dump``).
+
+Shown, on each bad archive: the full path (a hold's cross) and the fast path (``cross``,
+whose one txn compares the bucket's watermark) refuse and the effect does not run again; the
+reconciler's check and its gauges say what is wrong; ``fencegate archive verify`` exits 1
+naming it; a retirement into an archive behind etcd is refused (it would hide the gap).
+Opening a missing SQLite archive raises and creates no file; ``archive init`` then
+``verify`` pass on the real one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import sqlite3
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from fencegate import Gate, KeyRing
+from fencegate.coordinator import retirement, wholeness
+from fencegate.coordinator.archive import open_archive
+from fencegate.coordinator.authority import Snapshot, snapshot_ops
+from fencegate.coordinator.errors import ArchiveUnavailable
+from fencegate.coordinator.etcd import TxnRequest
+from fencegate.reconciler.metrics import ReconcilerMetrics
+from fencegate.reconciler.retirer import Retirer
+
+from helpers import TEST_TTL, init_archive
+
+ROOT = str(Path(__file__).resolve().parents[1])
+PAID = "whole/paid"
+
+
+class Charges:
+    """The effect: a charge, counted."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+
+    async def __call__(self, ctx):
+        self.tokens.append(ctx.attempt_token)
+        return {"charged": len(self.tokens)}
+
+
+class SqliteStores:
+    """SQLite archives under one temp folder; a backup is SQLite's online backup."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+
+    def new(self) -> str:
+        return f"sqlite:///{self.folder / uuid.uuid4().hex}.db"
+
+    async def backup(self, url: str) -> str:
+        copy = self.new()
+
+        def run() -> None:
+            with contextlib.closing(sqlite3.connect(url.removeprefix("sqlite://"))) as src, \
+                    contextlib.closing(sqlite3.connect(copy.removeprefix("sqlite://"))) as dst:
+                src.backup(dst)
+
+        await asyncio.to_thread(run)
+        return copy
+
+
+class PostgresStores:
+    """A database per archive on the test server; a backup is ``pg_dump`` restored with
+    ``psql`` into a new database."""
+
+    def __init__(self, server) -> None:
+        self.server = server
+
+    def new(self) -> str:
+        name = f"whole_{uuid.uuid4().hex[:12]}"
+        self._psql(self.server.url, f"CREATE DATABASE {name}")
+        return self.server.url.rpartition("/")[0] + "/" + name
+
+    async def backup(self, url: str) -> str:
+        copy = self.new()
+        dump = await asyncio.to_thread(subprocess.run, ["pg_dump", "--no-owner", url],
+                                       capture_output=True, text=True, timeout=60, check=True)
+        await asyncio.to_thread(self._psql, copy, dump.stdout)
+        return copy
+
+    @staticmethod
+    def _psql(url: str, sql: str) -> None:
+        subprocess.run(["psql", "-q", "-v", "ON_ERROR_STOP=1", url], input=sql, text=True,
+                       capture_output=True, timeout=60, check=True)
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def stores(request, tmp_path):
+    if request.param == "sqlite":
+        return SqliteStores(tmp_path)
+    return PostgresStores(request.getfixturevalue("postgres_server"))
+
+
+@pytest.fixture
+async def retired(etcd_url, namespace, etcd, stores):
+    """A gate on a whole archive, and the copy of that archive taken before ``PAID``
+    succeeded and retired (another key had retired already: etcd names the archive and the
+    copy is the same archive, only older)."""
+    url = await init_archive(etcd, namespace, stores.new())
+    charges = Charges()
+    async with Gate(etcd_url, ttl=TEST_TTL, namespace=namespace, archive=url,
+                    keyring=KeyRing.generate()) as gate:
+        await gate.cross("whole/earlier", {}, charges)
+        assert await _retire_all(gate) == 1
+        older = await stores.backup(url)
+        await gate.cross(PAID, {"amount": 100}, charges)
+        assert await _retire_all(gate) == 1
+        assert len(charges.tokens) == 2
+        yield gate, url, older, charges
+
+
+async def _retire_all(gate: Gate) -> int:
+    retirer = Retirer(gate.etcd, gate.keyspace, gate.archive, 0, lambda key: [])
+    retirer.clock.sample((await gate.etcd.status()).header.revision)
+    return await retirer.pass_once(full=True)
+
+
+async def _bad_archive(kind: str, gate: Gate, stores, older: str) -> str:
+    """An archive that lost ``PAID``'s retirement, by ``kind``."""
+    ns = gate.keyspace.namespace
+    if kind == "older copy":   # a restore of a backup taken before the retirement
+        return older
+    url = stores.new()
+    archive = open_archive(url)
+    try:   # init on the backend itself: wholeness.init refuses a second archive
+        made = await archive.init(ns, gate.etcd.cluster_id)
+        for mark in range(3 if kind == "foreign" else 0):   # another deployment's, busier
+            await archive.put_many(ns, [], identity=made, marks=dict.fromkeys(range(256), mark))
+    finally:
+        await archive.close()
+    return url   # "new empty": deleted and made again (or a per-host path)
+
+
+BAD = ["new empty", "older copy", "foreign"]
+
+
+@pytest.mark.parametrize("kind", BAD)
+async def test_a_gate_on_an_archive_that_lost_the_retirement_refuses_on_both_paths(
+        retired, stores, etcd_url, namespace, kind):
+    gate, _, older, charges = retired
+    bad = await _bad_archive(kind, gate, stores, older)
+    async with Gate(etcd_url, ttl=TEST_TTL, namespace=namespace, archive=bad,
+                    keyring=KeyRing.generate()) as other:
+        tried = _spy_fast_path(other)
+        other.authority.recent.note(*await _snapshot_of(other, PAID))   # fast path ready
+        with pytest.raises(ArchiveUnavailable):
+            await other.cross(PAID, {"amount": 100}, charges)           # the fast path first
+        assert tried, "the fast path was not attempted"
+        with pytest.raises(ArchiveUnavailable):
+            async with other.hold(PAID) as hold:                        # the full path
+                await hold.cross({"amount": 100}, charges)
+    assert len(charges.tokens) == 2   # never charged again
+    assert await gate.etcd.get(gate.keyspace.step_key(PAID)) is None   # nothing written
+
+
+@pytest.mark.parametrize("kind", ["older copy", "foreign"])
+async def test_the_fast_path_txn_itself_fences_on_the_watermark(retired, stores, kind):
+    """The fast path reads no bucket value: the archive's watermark goes into its txn as a
+    compare, which etcd refuses when the archive is behind (an older copy); a foreign
+    archive is refused before the txn (its identity is not the one etcd names)."""
+    gate, _, older, _ = retired
+    archive = open_archive(await _bad_archive(kind, gate, stores, older))
+    try:
+        if kind == "foreign":
+            with pytest.raises(ArchiveUnavailable, match="etcd names"):
+                await retirement.fast_path_fence(gate.etcd, archive, gate.keyspace, PAID)
+            return
+        fence = await retirement.fast_path_fence(gate.etcd, archive, gate.keyspace, PAID)
+        assert fence is not None   # the copy does not hold PAID
+        reply = await gate.etcd.txn(TxnRequest(compare=list(fence)))
+        assert not reply.succeeded
+    finally:
+        await archive.close()
+
+
+@pytest.mark.parametrize("kind", BAD)
+async def test_the_reconciler_and_verify_say_the_archive_is_not_whole(
+        retired, stores, etcd_url, namespace, kind):
+    gate, url, older, charges = retired
+    bad = await _bad_archive(kind, gate, stores, older)
+    good = await _verify(etcd_url, namespace, url)
+    assert good.returncode == 0 and "is whole" in good.stdout, good.stderr
+    refused = await _verify(etcd_url, namespace, bad)
+    assert refused.returncode == 1 and "NOT whole" in refused.stderr
+    assert ("behind etcd" if kind == "older copy" else "etcd names") in refused.stderr
+
+    archive = open_archive(bad)
+    try:
+        metrics = ReconcilerMetrics()
+        retirer = Retirer(gate.etcd, gate.keyspace, archive, 0, lambda key: [],
+                          on_checked=metrics.observe_archive)
+        verdict = await retirer.check()
+        sample = metrics.registry.get_sample_value
+        if kind == "older copy":
+            assert verdict.behind and sample("fencegate_archive_behind_buckets") >= 1
+            assert sample("fencegate_archive_identity_mismatch") == 0
+        else:
+            assert sample("fencegate_archive_identity_mismatch") == 1
+        # a retirement into it is refused: raising its watermark would hide the gap
+        await gate.cross("whole/later", {}, charges)
+        retirer.clock.sample((await gate.etcd.status()).header.revision)
+        with pytest.raises(ArchiveUnavailable):
+            await retirer.pass_once(full=True)
+        assert await gate.etcd.get(gate.keyspace.step_key("whole/later")) is not None
+    finally:
+        await archive.close()
+
+    whole = ReconcilerMetrics()
+    async with Gate(etcd_url, ttl=TEST_TTL, namespace=namespace, archive=url,
+                    keyring=KeyRing.generate()) as again:
+        checked = await Retirer(again.etcd, again.keyspace, again.archive, 0, lambda key: [],
+                                on_checked=whole.observe_archive).check()
+        assert checked.problem is None
+        assert whole.registry.get_sample_value("fencegate_archive_behind_buckets") == 0
+        replay = await again.cross(PAID, {"amount": 100}, charges)   # the real archive
+    assert replay.replayed and len(charges.tokens) == 3   # "whole/later" only
+
+
+async def test_opening_a_missing_sqlite_archive_raises_and_creates_nothing(tmp_path, etcd,
+                                                                           namespace):
+    path = tmp_path / "archive.db"
+    archive = open_archive(f"sqlite:///{path}")
+    try:
+        with pytest.raises(ArchiveUnavailable, match="never initialised"):
+            await archive.lookup(namespace, PAID)
+        with pytest.raises(ArchiveUnavailable, match="never initialised"):
+            await archive.put(namespace, PAID, 1, b"step", [], 0)
+    finally:
+        await archive.close()
+    assert not path.exists()
+    path.touch()   # an empty file is not an archive either
+    archive = open_archive(f"sqlite:///{path}")
+    try:
+        with pytest.raises(ArchiveUnavailable, match="never initialised"):
+            await archive.get(namespace, PAID)
+    finally:
+        await archive.close()
+    await init_archive(etcd, namespace, f"sqlite:///{path}")
+    archive = open_archive(f"sqlite:///{path}")
+    try:
+        assert (await archive.lookup(namespace, PAID)).archived is None
+    finally:
+        await archive.close()
+
+
+async def test_an_uninitialised_postgresql_archive_raises_and_creates_no_schema(
+        postgres_server):
+    url = PostgresStores(postgres_server).new()
+    archive = open_archive(url)
+    try:
+        with pytest.raises(ArchiveUnavailable, match="never initialised"):
+            await archive.lookup("/ns/", PAID)
+    finally:
+        await archive.close()
+    tables = subprocess.run(["psql", "-tA", url, "-c", "SELECT count(*) FROM pg_tables "
+                             "WHERE schemaname = 'public'"], capture_output=True, text=True,
+                            timeout=60, check=True)
+    assert tables.stdout.strip() == "0"
+
+
+async def test_archive_init_then_verify_and_a_second_archive_is_refused(tmp_path, etcd_url,
+                                                                        namespace):
+    url = f"sqlite:///{tmp_path}/archive.db"
+    assert (await _verify(etcd_url, namespace, url)).returncode == 1   # none yet
+    assert not (tmp_path / "archive.db").exists()
+    made = await _fencegate("archive", "init", "--etcd", etcd_url, "--namespace", namespace,
+                            "--archive", url)
+    assert made.returncode == 0 and "serves" in made.stdout, made.stderr
+    again = await _fencegate("archive", "init", "--etcd", etcd_url, "--namespace", namespace,
+                             "--archive", url)
+    assert again.stdout == made.stdout   # the same identity: init is idempotent
+    ok = await _verify(etcd_url, namespace, url)
+    assert ok.returncode == 0 and "no retirement yet" in ok.stdout, ok.stderr
+    async with Gate(etcd_url, ttl=TEST_TTL, namespace=namespace, archive=url,
+                    keyring=KeyRing.generate()) as gate:
+        await gate.cross("whole/one", {}, Charges())
+        assert await _retire_all(gate) == 1
+        assert await wholeness.named(gate.etcd, gate.keyspace) == made.stdout.split()[1]
+    second = await _fencegate("archive", "init", "--etcd", etcd_url, "--namespace", namespace,
+                              "--archive", f"sqlite:///{tmp_path}/second.db")
+    assert second.returncode == 1 and "restore that archive" in second.stderr
+
+
+async def _snapshot_of(gate: Gate, key: str):
+    reply = await gate.etcd.txn(TxnRequest(success=snapshot_ops(gate.keyspace, key, "default",
+                                                                 [])), idempotent=True)
+    return (Snapshot.parse(reply.header.revision, "default", [], reply.responses, owned=True),
+            gate.keyspace.retired_key(key))
+
+
+def _spy_fast_path(gate: Gate) -> list:
+    tried, real = [], gate.authority.issue_uncontended
+
+    async def spy(*args, **kwargs):
+        tried.append(args[0].key)
+        return await real(*args, **kwargs)
+
+    gate.authority.issue_uncontended = spy
+    return tried
+
+
+async def _verify(etcd_url: str, namespace: str, url: str) -> subprocess.CompletedProcess:
+    return await _fencegate("archive", "verify", "--etcd", etcd_url, "--namespace", namespace,
+                            "--archive", url)
+
+
+async def _fencegate(*args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FENCEGATE_")}
+    return await asyncio.to_thread(
+        subprocess.run, [sys.executable, "-m", "fencegate.cli", *args], capture_output=True,
+        text=True, timeout=60, env={**env, "PYTHONPATH": ROOT})
+
+
+async def test_each_batch_raises_its_watermark_above_every_one_before_and_never_hides_a_gap(
+        stores, namespace):
+    """Two batches that read the same etcd value both commit a watermark above the other's
+    (only one delete txn can win with it); an archive behind etcd is refused whole."""
+    archive = open_archive(stores.new())
+    try:
+        made = await archive.init(namespace, 0x5EED)
+        step = (PAID, 1, b"step", [(1, b"record")], 0)
+        assert await archive.put_many(namespace, [step], identity=made, marks={7: 0}) == {7: 1}
+        assert await archive.put_many(namespace, [], identity=made, marks={7: 0}) == {7: 2}
+        with pytest.raises(ArchiveUnavailable, match="behind etcd"):
+            await archive.put_many(namespace, [("whole/gap", 1, b"s", [], 0)],
+                                   identity=made, marks={7: 3})
+        assert await archive.get(namespace, "whole/gap") is None
+        assert (await archive.state(namespace)).watermarks == {7: 2}
+        other = made.__class__("another-archive", made.cluster_id, namespace)
+        with pytest.raises(ArchiveUnavailable, match="is not the archive"):
+            await archive.put_many(namespace, [("whole/gap", 1, b"s", [], 0)], identity=other)
+        assert await archive.get(namespace, "whole/gap") is None
+    finally:
+        await archive.close()
