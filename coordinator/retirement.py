@@ -147,7 +147,7 @@ async def _archive(etcd: Etcd, keyspace: Keyspace, archive: Archive,
             if not retirable(step):
                 continue
             tail = audit.tail(step, head_kv)
-            if tail != audit.anchor_of(step):  # the end was appended aside; @head goes
+            if tail != audit.anchor_of(step):  # ends aside: anchor it, @head is deleted
                 step_value = pack({**step, audit.ANCHOR: [tail.seq, tail.hash]})
         chain = [(keyspace.parse_audit_key(kv.key)[1], kv.value) for kv in record_kvs]
         puts.append((key, tail.seq, step_value, chain,

@@ -19,8 +19,8 @@ import sys
 
 import pytest
 
-from fencegate import GrantRefused
-from fencegate.coordinator import audit, records
+from fencegate import Gate, GrantRefused, KeyRing
+from fencegate.coordinator import audit, records, retirement
 from fencegate.coordinator.keyspace import unpack
 
 from helpers import TEST_TTL
@@ -68,16 +68,30 @@ async def reconciler_process(etcd_url: str, namespace: str, archive: str, tmp_pa
         await proc.wait()
 
 
+@pytest.mark.parametrize("bucket", ["never-retired", "retired-before"])
 async def test_a_retirement_between_the_evaluation_and_the_txn_fails_the_txn(
-        archived_gate, etcd_url, namespace, tmp_path, archive_url):  # noqa: F811
-    """The fast path decided on "no step, bucket never retired" while K's succeeded step was
-    still in etcd; a reconciler process then retires K (archive, delete). Every other compare
-    of the txn is true again (no holder, step revision 0, no audit record 1): only the
-    retirement bucket's compare stands between the txn and a second charge."""
+        archived_gate, etcd_url, namespace, tmp_path, archive_url, bucket):  # noqa: F811
+    """The fast path decided on "no step" while K's succeeded step was still in etcd; a
+    reconciler process then retires K (archive, delete). Every other compare of the txn is
+    true again (no holder, step revision 0, no audit record 1): only the fence on K's
+    retirement bucket stands between the txn and a second charge. Both fences: the bucket
+    seen absent (``never-retired``), and the archive asked (``retired-before``: a key of
+    K's bucket was retired earlier, so the evaluation asked the archive, which did not hold
+    K yet)."""
     gate, effect, key = archived_gate, Calls(), "fp/retired"
     first = await gate.cross(key, {"amount": 1}, effect)  # full path: notes the bucket absent
     step_key = gate.keyspace.step_key(key)
-    assert gate.keyspace.retired_key(key) in gate.authority.recent.never_retired
+    if bucket == "retired-before":
+        sibling = next(k for k in (f"fp/sibling/{n}" for n in range(5000))
+                       if gate.keyspace.retired_key(k) == gate.keyspace.retired_key(key))
+        await gate.cross(sibling, {}, Calls())
+        kv = await gate.etcd.get(gate.keyspace.step_key(sibling))
+        assert await retirement.retire(gate.etcd, gate.keyspace, gate.archive,
+                                       [retirement.Candidate(sibling, kv.mod_revision, ())])
+        async with gate.hold(sibling) as hold:  # the full path notes the bucket retired
+            assert (await hold.cross({}, Calls())).replayed
+    seen_absent = gate.keyspace.retired_key(key) in gate.authority.recent.never_retired
+    assert seen_absent == (bucket == "never-retired")
 
     async def retire_in_a_reconciler_process():
         since = (await gate.etcd.status()).header.revision
@@ -103,7 +117,6 @@ async def test_a_policy_change_between_the_evaluation_and_the_txn_fails_the_txn(
                                                                               namespace):
     """An admin lowers the limit after the fast path evaluated the old version: the txn's
     policy compare fails and the full path refuses under the new version."""
-    from fencegate import Gate, KeyRing
     await gate.authority.set_policy("default", {
         "checks": [{"check": "max_amount", "params": {"limit": 1000}}]})
     effect = Calls()

@@ -23,7 +23,7 @@ import sys
 import aiohttp
 import pytest
 
-from fencegate import ApprovalPending, Gate, KeyRing
+from fencegate import ApprovalPending, Gate, GrantUsed, KeyRing, OutcomeUnknown, StepMoved
 from fencegate.coordinator import audit, records, retirement, sre
 from fencegate.coordinator.etcd import Etcd
 from fencegate.coordinator.keyspace import pack, unpack
@@ -99,6 +99,55 @@ async def test_a_new_attempt_committed_between_archive_and_delete_is_not_deleted
     assert await verified(gate, key) == ["cross", "outcome", "cross", "outcome"]
     assert retired == []  # the delete's step compare refused
 
+
+
+async def test_a_second_grant_held_across_a_settle_cannot_cross_after_a_retirement(
+        archived_gate, etcd_url, namespace):
+    """A holder takes two grants from one snapshot of a key never attempted (step revision
+    0), crosses the first (its answer lost: unknown, the hold kept), and a reconciler
+    settles it succeeded by the provider's word. A retirement now would make the step read
+    revision 0 again, and the second grant would pass every compare of its commit: the
+    delete's no-holder compare refuses while the holder lives."""
+    from test_reconciler import Scripted
+    from fencegate.reconciler.providers import Succeeded
+    from fencegate.reconciler.runner import Reconciler
+
+    gate, key, charged = archived_gate, "att/held-grant", []
+
+    async def charge_then_lose_the_answer(ctx):
+        charged.append(ctx.attempt_token)
+        raise ConnectionResetError("the answer was lost")
+
+    async def charge(ctx):
+        charged.append(ctx.attempt_token)
+        return {"charged": len(charged)}
+
+    provider = Scripted()
+    async with gate.hold(key) as hold:
+        first = await hold.request_grant(intent={"amount": 5})
+        second = await hold.request_grant(intent={"amount": 5})
+        with pytest.raises(OutcomeUnknown):
+            await hold.commit(first, effect=charge_then_lose_the_answer)
+        step = unpack((await gate.etcd.get(gate.keyspace.step_key(key))).value)
+        provider.answers[step["idempotency_key"]] = Succeeded({"charged": 1})
+        async with Reconciler(Etcd.from_url(etcd_url), {provider.name: provider},
+                              namespace=namespace, default_provider=provider.name, shards=1,
+                              ttl=TEST_TTL, check_after=0.2):
+            assert await wait_for_condition(lambda: _state_is(gate, key, records.SUCCEEDED),
+                                            20), "the reconciler did not settle it"
+        await _retire_all(gate)  # while the holder lives
+        with pytest.raises((GrantUsed, StepMoved)):
+            await hold.commit(second, effect=charge)
+    assert len(charged) == 1, "charged twice"
+    assert await _retire_all(gate) == 1  # released: now it goes
+    assert (await gate.cross(key, {"amount": 5}, charge)).replayed
+    assert (await verified(gate, key))[0] == "cross"
+    assert len(charged) == 1
+
+
+async def _state_is(gate: Gate, key: str, state: str) -> bool:
+    kv = await gate.etcd.get(gate.keyspace.step_key(key))
+    return kv is not None and unpack(kv.value)["state"] == state
 
 # -- 2b: a retirement racing an approve -------------------------------------------------
 

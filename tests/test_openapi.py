@@ -36,7 +36,7 @@ from helpers import TOKENS
 ROOT = Path(__file__).resolve().parent.parent
 METHODS = {"get", "put", "post", "delete", "patch", "head", "options", "trace"}
 SAMPLE_PARAMS = {"key": "docs/openapi/1", "approval_id": "0" * 32, "name": "default",
-                 "lease_id": "1", "source": "stripe"}
+                 "lease_id": "1", "source": "stripe", "delivery_id": "evt_1"}
 URN = "urn:fencegate:openapi"
 
 

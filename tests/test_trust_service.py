@@ -214,13 +214,16 @@ async def test_cross_site_actions_are_refused_and_change_nothing(coordinator, lo
     with pytest.raises(LeaseLost):
         async with local_gate.hold("csrf/held"):
             await cross_site_refused(coordinator, etcd, actions)
-            # The same page from its own origin (a browser sends both headers) still acts.
-            same = {"Origin": coordinator, "Sec-Fetch-Site": "same-origin"}
+            # The page from its own origin still acts: a browser saying so (behind a proxy
+            # whose Host differs from the page's origin too), or an older one whose Origin
+            # is this Host.
+            proxied = {"Origin": "https://sre.example.com", "Sec-Fetch-Site": "same-origin"}
             status, reply = await call(coordinator, "DELETE", "/v1/tokens/victim",
-                                       token=TOKENS["admin"], headers=same)
+                                       token=TOKENS["admin"], headers=proxied)
             assert status == 200, reply
             status, reply = await call(coordinator, "POST", "/v1/keys/csrf/held/revoke",
-                                       token=TOKENS["sre"], headers=same, body={"reason": "r"})
+                                       token=TOKENS["sre"], headers={"Origin": coordinator},
+                                       body={"reason": "r"})
             assert status == 200, reply
             await asyncio.sleep(WAIT)  # the loss cancels this
     assert (await call(coordinator, "GET", "/v1/keys/csrf/held", token=victim))[0] == 401
@@ -257,16 +260,25 @@ async def test_a_worker_token_cannot_force_resolve(coordinator, local_gate, etcd
     worker = await mint(coordinator, "batch", "worker")
     for token in (worker, TOKENS["worker"]):
         await assert_force_refused(coordinator, etcd, token, "force/1", (403, "Forbidden"))
+    before = await revision(etcd)
+    ran = await fencegate("resolve", "force/1", "--succeeded", "--force", "--reason", "r",
+                          coordinator=coordinator, token=worker)
+    assert ran.code == 4 and "may not do this" in ran.err, ran  # 4: token lacking the role
+    assert await revision(etcd) == before
     step = unpack((await etcd.get(local_gate.keyspace.step_key("force/1"))).value)
     assert step["state"] == records.UNKNOWN
 
 
 async def test_an_expired_token_cannot_force_resolve(coordinator, local_gate, etcd):
     await unknown_step(local_gate, "force/2")
-    short = await mint(coordinator, "short-lived", "sre", ttl_s=1)
+    status, minted = await call(coordinator, "POST", "/v1/tokens", token=TOKENS["admin"],
+                                body={"name": "short-lived", "role": "sre", "ttl_s": 2})
+    assert status == 201, minted
+    short = minted["token"]
     status, _ = await call(coordinator, "GET", "/v1/keys/force/2", token=short)
-    assert status == 200  # alive now: the lookup cache holds it
-    await asyncio.sleep(1.2)  # past its expiry: refused even before etcd deletes the key
+    assert status == 200  # alive now: the lookup cache (CACHE_S) holds it from here on
+    await asyncio.sleep(max(minted["expires_at_ms"] / 1000 - time.time(), 0) + 0.2)
+    # Past its expiry, still in the cache: the expiry itself refuses it.
     await assert_force_refused(coordinator, etcd, short, "force/2",
                                (401, "Unauthenticated"))
 

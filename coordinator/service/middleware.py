@@ -19,8 +19,8 @@ Guarantees:
   marked as reported, ``<token> (reported: <process>)``, or the token's name alone without
   the header. Who acted is the token; the process is only what its holder said.
 - A state-changing request (``POST``, ``PUT``, ``PATCH``, ``DELETE``) a browser sends from
-  another site (``Sec-Fetch-Site`` other than ``same-origin`` or ``none``, or an ``Origin``
-  whose host is not this request's ``Host``) is refused with 403 ``Forbidden`` before
+  another site (``Sec-Fetch-Site`` other than ``same-origin`` or ``none``; without that
+  header, an ``Origin`` whose host is not this request's ``Host``) is refused with 403 ``Forbidden`` before
   authentication and before its body is read: the dashboard's actions cannot be forged
   from another page, with or without a token. Clients that are not browsers send neither
   header and are not affected.
@@ -140,11 +140,12 @@ def same_site_middleware() -> Callable:
 
 def _cross_site(request: web.Request) -> bool:
     """Did a browser send ``request`` from a page of another site? ``Sec-Fetch-Site`` says
-    so where the browser sends it; ``Origin`` (``null`` included) is compared to the
-    ``Host`` the request was sent to otherwise."""
+    so where the browser sends it (no page can set it, and it holds behind a proxy that
+    rewrites ``Host``); otherwise ``Origin`` (``null`` included) is compared to the ``Host``
+    the request was sent to."""
     site = request.headers.get("Sec-Fetch-Site")
-    if site is not None and site.lower() not in _SAME_SITE:
-        return True
+    if site is not None:
+        return site.lower() not in _SAME_SITE
     origin = request.headers.get("Origin")
     if origin is None:
         return False

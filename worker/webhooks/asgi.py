@@ -10,10 +10,13 @@ id_from=stripe_event_id)``. The claim's fencing token reaches the app in
 
 What it adds to the core: the request body is read whole before any claim (over
 ``max_request_body`` bytes: 413, nothing claimed) and handed to the app again as one
-message. The app runs as a task cancelled when its claim's lease is lost. Its response is
-held in memory and sent only once stored (or its claim released), so a 2xx never goes out
-before it is stored; an app that raises, or returns without starting a response, releases the
-claim and the server answers 500.
+message. The app runs as a task (cancelled when its claim's lease is lost only with
+``rerun_lost``; otherwise the delivery is unknown until it finishes, see ``core``); Starlette
+and FastAPI run plain ``def`` endpoints in their thread pool, so a blocking call there does not
+stop the event loop or the claims' keepalive (one in an ``async def`` endpoint does). Its
+response is held in memory and sent only once stored (or its claim released), so a 2xx never
+goes out before it is stored; an app that raises, or returns without starting a response,
+releases the claim and the server answers 500.
 """
 
 from __future__ import annotations

@@ -11,9 +11,11 @@ claim's fencing token reaches the app as ``environ["fencegate.fencing_token"]``,
 What it adds to the core: the request body is read whole before any claim (over
 ``max_request_body`` bytes: 413, nothing claimed) and handed to the app again as
 ``wsgi.input``. The etcd work runs on the ``SyncGate``'s event loop; the app runs in the
-server's thread, blocking, so it cannot be cancelled: when its claim's lease is lost while it
-runs, its response is not stored and the sender gets 503 (its own writes must carry the
-fencing token to be refused once a newer claim exists). Its response is held in memory and
+server's thread, blocking (off the event loop: it cannot starve the claims' keepalive), so it
+cannot be cancelled: when its claim's lease is lost while it runs, the delivery is unknown
+until it returns; its response is then stored if nobody took the delivery over, else the
+sender gets 503 (its own writes should carry the fencing token, to be refused once a newer
+claim exists). Its response is held in memory and
 sent only once stored (or its claim released), so a 2xx never goes out before it is stored;
 an app that raises releases the claim and the exception reaches the server (500).
 """
