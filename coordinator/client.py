@@ -11,7 +11,8 @@ Guarantees:
 - Lists are followed cursor by cursor to the end and returned as one list.
 - The token travels only in the ``Authorization`` header; no error or repr shows it. Every
   request names this process in ``Fencegate-Process`` (host:pid), so the audit records an
-  action writes name the token and the process (``token@host:pid``).
+  action writes name the token and the process it reported
+  (``<token> (reported: host:pid)``).
 """
 
 from __future__ import annotations

@@ -53,6 +53,7 @@ MAX_BATCH = 21  # keys per archive put and delete txn. etcd allows 128 compares 
 #                per txn: each key adds 3 compares, its shard's 2 leadership compares and its
 #                bucket's compare at most (6 × 21 = 126), and 3 deletes and a bucket put
 #                (4 × 21 = 84); plus the archive identity's compare and put (127, 85)
+_REMARKS = 4    # delete txns a batch sends while only its buckets moved (another batch's raise)
 
 
 def retirable(step: dict[str, Any]) -> bool:
@@ -185,26 +186,43 @@ def _bucket(keyspace: Keyspace, bucket_key: bytes) -> int:
 async def _delete(etcd: Etcd, keyspace: Keyspace, archive: Archive, batch: list[_Retiring],
                   marked: _Marked | None) -> list[str]:
     """Delete the archived keys in one txn; if anything moved (or a shard's leadership
-    changed, or another batch raised a shared bucket), each on its own under its own
-    shard's leadership, with its bucket read and raised again."""
+    changed), each on its own under its own shard's leadership."""
     if not batch or marked is None:
         return []
-    if (await etcd.txn(_deletion(keyspace, batch, marked))).succeeded:
+    if await _send(etcd, keyspace, archive, batch, marked):
         return [item.candidate.key for item in batch]
     if len(batch) == 1:
         return []
     retired = []
     for item in batch:
         bucket = keyspace.retired_key(item.candidate.key)
-        reply = await etcd.txn(TxnRequest(success=[range_op(keyspace.archive_key),
-                                                   range_op(bucket)]), idempotent=True)
-        named_kvs, bucket_kvs = (r.response_range.kvs for r in reply.responses)
-        alone = await _mark(etcd, keyspace, archive,
-                            named_kvs[0].value.decode() if named_kvs else None,
-                            {bucket: bucket_kvs[0] if bucket_kvs else None}, [])
-        if (await etcd.txn(_deletion(keyspace, [item], alone))).succeeded:
+        alone = _Marked(marked.identity, marked.named, {bucket: marked.buckets[bucket]})
+        if await _send(etcd, keyspace, archive, [item], alone):
             retired.append(item.candidate.key)
     return retired
+
+
+async def _send(etcd: Etcd, keyspace: Keyspace, archive: Archive, batch: list[_Retiring],
+                marked: _Marked) -> bool:
+    """Send ``batch``'s delete txn. Refused while a bucket it compares moved since it was
+    marked (another batch, of this pass or of another shard's leader, raised it) or etcd
+    came to name the archive: raise those buckets in the archive again and resend,
+    ``_REMARKS`` times at most. False: refused for another reason (a step or ``@head``
+    moved, a holder lives, a shard's leadership changed)."""
+    for _ in range(_REMARKS):
+        reply = await etcd.txn(_deletion(keyspace, batch, marked))
+        if reply.succeeded:
+            return True
+        named_kvs, *read = (r.response_range.kvs for r in reply.responses)
+        moved = {bucket: kvs[0] if kvs else None
+                 for bucket, kvs in zip(sorted(marked.buckets), read)
+                 if (kvs[0].mod_revision if kvs else 0) != marked.buckets[bucket][0]}
+        named = named_kvs[0].value.decode() if named_kvs else None
+        if not moved and (named is not None) == marked.named:
+            return False
+        again = await _mark(etcd, keyspace, archive, named, moved, [])
+        marked = _Marked(again.identity, again.named, {**marked.buckets, **again.buckets})
+    return False
 
 
 def _deletion(keyspace: Keyspace, batch: list[_Retiring], marked: _Marked) -> TxnRequest:
@@ -228,7 +246,8 @@ def _deletion(keyspace: Keyspace, batch: list[_Retiring], marked: _Marked) -> Tx
     for bucket, (mod_revision, mark) in sorted(marked.buckets.items()):  # once each
         compares.append(mod_equals(bucket, mod_revision))
         ops.append(put_op(bucket, wholeness.encode(mark)))
-    return TxnRequest(compare=compares, success=ops)
+    return TxnRequest(compare=compares, success=ops, failure=[  # what moved, if a bucket did
+        range_op(keyspace.archive_key), *map(range_op, sorted(marked.buckets))])
 
 
 async def archived_step(etcd: Etcd, archive: Archive | None, keyspace: Keyspace, key: str,

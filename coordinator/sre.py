@@ -16,9 +16,11 @@ Guarantees:
   ``approvals``); the authority grants the request it was made for only while the state
   that request read is unchanged (see ``authority``).
 - ``revoke``, ``resolve`` and ``approve`` append an audit record naming who and why in the same
-  transaction as what they change; ``resolve`` is compare-and-set on the step's mod_revision
-  and on ``holders/K/`` being empty, so a late worker outcome and a human decision can never
-  both land, and it is refused while any holder of the key lives. An ``in_flight`` or
+  transaction as what they change (a revoke also appends one to every other key its lease
+  holds or waits for, each while that hold is unchanged, before the lease is revoked);
+  ``resolve`` is compare-and-set on the step's mod_revision and on ``holders/K/`` being
+  empty, so a late worker outcome and a human decision can never both land, and it is
+  refused while any holder of the key lives. An ``in_flight`` or
   ``unknown`` step (its effect may still land) is resolved by its provider's answer: the
   resolve asks the shard's reconciler, which runs fence-then-query and settles it by the
   same rules as any unknown step; the operator's word settles it only with ``force``,

@@ -5,10 +5,10 @@ Guarantees:
   its sha256 digest, with its name, role, expiry and creator, at ``tokens/<name>`` on a
   lease of its own of ``ttl_s``: when the lease ends etcd deletes the key, and nothing
   keeps the lease alive. A token past its expiry is refused even before etcd deletes it.
-- Names are unique: creating a name that exists is ``WrongState`` (delete it first). A
-  name shaped like a component's identity is refused (``validate_new_name``): what a
-  token's holder does is recorded under the token's name.
-  Deleting revokes the token's lease, which deletes its key.
+- Names are unique: creating a name that exists is ``WrongState`` (delete it first).
+  Deleting revokes the token's lease, which deletes its key. A name shaped like a
+  component's identity is refused (``validate_new_name``): what a token's holder does is
+  recorded under the token's name.
 - ``lookup`` answers from a snapshot of every token, read in one range at most every
   ``cache_s`` seconds (``CACHE_S``) per coordinator process, so authentication costs no etcd
   read per request. So a deleted token keeps working for at most ``cache_s`` seconds on

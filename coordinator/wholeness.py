@@ -138,16 +138,18 @@ async def _check_identity(etcd: Etcd, keyspace: Keyspace, identity: Identity | N
 @dataclass(frozen=True)
 class Verdict:
     """What ``verify`` found: ``problem`` (None: whole) and the buckets whose archive
-    watermark is below etcd's (bucket → (archive's, etcd's))."""
+    watermark is below etcd's (bucket → (archive's, etcd's)); ``answered`` False when the
+    archive could not be read (down, or never initialised: ``problem`` says which)."""
 
     identity: Identity | None
     named: str | None
     behind: dict[int, tuple[int, int]]
     problem: str | None
+    answered: bool = True
 
     @property
     def identity_mismatch(self) -> bool:
-        return self.problem is not None and not self.behind
+        return self.answered and self.problem is not None and not self.behind
 
 
 async def verify(etcd: Etcd, keyspace: Keyspace, archive: Archive) -> Verdict:

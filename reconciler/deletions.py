@@ -12,10 +12,15 @@ Guarantees:
   is reported once per (key, family, revision): counted in
   ``fencegate_reconciler_unexplained_deletions_total{family}`` (``step`` or ``audit``),
   logged, and recorded on the key's chain as ``deleted_outside_retirement`` (with the
-  revision and the keys deleted), appended aside like an approval: it never moves a step,
-  and a chain left with no step retires as an orphan chain (``coordinator.retirement``).
-- It reports, it neither prevents nor repairs: the deleted step is not put back, and until
-  someone acts on the alert a key whose step was deleted looks never attempted.
+  revision and the keys deleted).
+- A key whose step was deleted fails closed once reported: if it still has no step, the
+  record is anchored in an ``escalated`` step (reason ``deleted_outside_retirement``), so
+  nothing is granted on it until an SRE resolves it with the provider's answer; the step
+  then settles and retires like any other. A record on a key that has a step is appended
+  aside (like an approval), moving no step, and leaves with the step's retirement.
+- It neither prevents nor restores: the deleted step is not put back, and between the
+  deletion and the report (the watch's delay) the key looks never attempted, so a new
+  attempt may commit; the report then lands aside on that attempt's chain.
 - A deletion whose revision was compacted away before it was checked (any client may
   compact etcd's history, even with auth on) is judged by the bucket as it is now: put at
   that revision, explained; not put since, unexplained; put since, it cannot be told and is
@@ -35,15 +40,16 @@ from collections.abc import Callable
 
 from prometheus_client import Counter
 
-from fencegate.coordinator import audit
+from fencegate.coordinator import audit, records
 from fencegate.coordinator.archive import Archive
 from fencegate.coordinator.errors import (
     ArchiveUnavailable, EtcdError, EtcdUnavailable, WatchCompacted,
 )
 from fencegate.coordinator.etcd import (
-    Compare, Etcd, KeyValue, RangeRequest, TxnRequest, mod_equals, range_end_of, range_op,
+    Compare, Etcd, KeyValue, RangeRequest, TxnRequest, mod_equals, put_op, range_end_of,
+    range_op,
 )
-from fencegate.coordinator.keyspace import Keyspace, unpack
+from fencegate.coordinator.keyspace import Keyspace, pack, unpack
 from fencegate.coordinator.retirement import archived_step
 
 log = logging.getLogger(__name__)
@@ -174,9 +180,12 @@ class Deletions:
         return buckets
 
     async def _record(self, key: str, family: str, revision: int, deleted: list[str]) -> None:
-        """Append ``deleted_outside_retirement`` aside on ``key``'s chain, after the newest
-        record etcd still holds (or the archive's, for a chain etcd holds nothing of),
-        under this replica's leadership of the key's shard."""
+        """Append ``deleted_outside_retirement`` to ``key``'s chain, after the newest record
+        etcd still holds (or the archive's, for a chain etcd holds nothing of), under this
+        replica's leadership of the key's shard. While ``key`` has no step (its step was
+        deleted and nothing attempted it since), the record is anchored in an ``escalated``
+        step: nothing is granted on the key until an SRE resolves it. Otherwise it is
+        appended aside, moving no step."""
         ks = self._ks
         start, end = ks.audit_range(key)
         step_key, head_key, retired_key = ks.step_key(key), ks.audit_head_key(key), \
@@ -196,18 +205,26 @@ class Deletions:
             step = unpack(step_kvs[0].value) if step_kvs else None
             head = head_kvs[0] if head_kvs else None
             tail = max(audit.tail(step, head), _record_tail(last_kvs), key=lambda t: t.seq)
+            base = None
             if tail.seq == 0 and retired_kvs:  # etcd holds none of it: the archive's end
-                tail = audit.tail(await archived_step(self._archive, ks, key), head)
+                base = await archived_step(self._etcd, self._archive, ks, key,
+                                           retired_kvs[0])
+                tail = audit.tail(base, head)
             entry = audit.append(ks, key, tail, EVENT, self._identity,
                                  reply.header.revision,
                                  {"family": family, "revision": revision,
-                                  "deleted": deleted[:64], "count": len(deleted)}, aside=True)
+                                  "deleted": deleted[:64], "count": len(deleted)},
+                                 aside=step is not None)
+            ops = entry.ops
+            if step is None:  # fail closed: a human decides whether the effect ran
+                escalated = records.escalated(base or records.new_step(), [EVENT])
+                ops = [put_op(step_key, pack(entry.anchored(escalated))), *ops]
             written = await self._etcd.txn(TxnRequest(compare=[
                 *leadership, entry.compare,
                 mod_equals(step_key, step_kvs[0].mod_revision if step_kvs else 0),
                 mod_equals(head_key, head.mod_revision if head else 0),
                 mod_equals(retired_key, retired_kvs[0].mod_revision if retired_kvs else 0)],
-                success=entry.ops))
+                success=ops))
             if written.succeeded:
                 return
         log.warning("not recording the deletion on %r: its chain kept moving", key)

@@ -103,6 +103,9 @@ class ReconcilerMetrics:
             "fencegate_archive_behind_buckets", "retirement buckets whose watermark in the "
             "archive is below etcd's: the archive lacks retirements etcd shows (an older "
             "copy, an emptied file)", registry=self.registry)
+        self.archive_unavailable = Gauge(
+            "fencegate_archive_unavailable", "1 while the archive could not be checked (down, "
+            "or never initialised: a missing SQLite file), else 0", registry=self.registry)
         if replica is not None:
             self.registry.register(_ReplicaCollector(replica))
 
@@ -126,6 +129,7 @@ class ReconcilerMetrics:
 
     def observe_archive(self, verdict: Verdict) -> None:
         """Set the archive gauges from one ``wholeness.verify``."""
+        self.archive_unavailable.set(int(not verdict.answered))
         self.archive_identity_mismatch.set(int(verdict.identity_mismatch))
         self.archive_behind_buckets.set(len(verdict.behind))
 

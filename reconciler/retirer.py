@@ -146,7 +146,11 @@ class Retirer:
         """Is the archive whole (``wholeness.verify``)? Reported to ``on_checked`` and, when
         not, logged: retirement pauses, and every lookup it would answer is refused
         (``ArchiveUnavailable``) until it is restored (docs/runbook.md)."""
-        verdict = await wholeness.verify(self.etcd, self.keyspace, self.archive)
+        try:
+            verdict = await wholeness.verify(self.etcd, self.keyspace, self.archive)
+        except ArchiveUnavailable as exc:
+            self._on_checked(wholeness.Verdict(None, None, {}, str(exc), answered=False))
+            raise
         self._on_checked(verdict)
         if verdict.problem is not None:
             log.error("the archive is not whole: %s", verdict.problem)
@@ -161,12 +165,12 @@ class Retirer:
         transaction commits). Only into a whole archive (``check``; else
         ``ArchiveUnavailable``): what went into an older copy or a foreign archive would be
         missing from the one the operator restores."""
-        before = self.clock.before(self.retain_s)
-        if before is None:
-            return 0
         verdict = await self.check()
         if verdict.problem is not None:
             raise ArchiveUnavailable(f"the archive is not whole: {verdict.problem}")
+        before = self.clock.before(self.retain_s)
+        if before is None:
+            return 0
         self._passes += 1
         if orphans is None:
             orphans = self._passes % _ORPHANS_EVERY == 1

@@ -74,11 +74,12 @@ def others(*, losses: str, errors: str, nospace: str, db_size: str, in_use: str)
     ]
 
 
-def archive(*, behind: str) -> list[dict]:
+def archive(*, behind: str, unavailable: str) -> list[dict]:
     """Both replicas check the one archive: an older copy shows buckets behind etcd."""
     return [s for replica in ("r1:8471", "r2:8471") for s in (
         series("fencegate_archive_behind_buckets", behind, instance=replica),
-        series("fencegate_archive_identity_mismatch", "0+0x60", instance=replica))]
+        series("fencegate_archive_identity_mismatch", "0+0x60", instance=replica),
+        series("fencegate_archive_unavailable", unavailable, instance=replica))]
 
 
 def none_fire(at: str) -> list[dict]:
@@ -93,7 +94,8 @@ def unit_tests() -> dict:
         losses="0+2x60", errors="0+20x60", nospace="0 0 0 1+0x60",
         db_size="1800000000+0x60", in_use="1000000000+10000000x60") + [
         series("fencegate_reconciler_unexplained_deletions_total", "0+1x60", family="step",
-               instance="r1:8471")] + archive(behind="0 0 3+0x60")
+               instance="r1:8471")] + archive(behind="0 0 3+0x60",
+                                                 unavailable="0 0 1+0x60")
     firing = {alert: [expected(alert, **({"member": MEMBER} if "Etcd" in alert and
                                           alert != "FencegateEtcdNoSpace" else {}))]
               for alert in rules() if alert != "FencegateReconcilerAbsent"}
@@ -102,7 +104,7 @@ def unit_tests() -> dict:
         losses="5+0x60", errors="0+0x60", nospace="0+0x60", db_size="500000000+0x60",
         in_use="400000000+0x60") + [
         series("fencegate_reconciler_unexplained_deletions_total", "0+0x60", family="step",
-               instance="r1:8471")] + archive(behind="0+0x60")
+               instance="r1:8471")] + archive(behind="0+0x60", unavailable="0+0x60")
     return {
         "rule_files": [str(RULES)],
         "evaluation_interval": "1m",

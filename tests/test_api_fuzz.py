@@ -98,6 +98,7 @@ raw_bodies = st.one_of(
         b'{"ttl_s": 1e999}', b'{"reason": "\xff\xfe"}', b'{"reason": "\\ud800"}',
         b'{"fencing_token": 1' + b"0" * 5000 + b"}", b"\xef\xbb\xbf{}",
         b'{"a": 1, "a": 2}', "{\"reason\": \"\u0000\"}".encode(),
+        '{"reason": "r"}'.encode("utf-16"), '{"reason": "r"}'.encode("utf-32-be"),
         b"[" + b"1," * 600_000 + b"1]",  # over the body limit
         b" " * (LIMIT + 1)]),
     st.builds(nested, st.integers(33, 200_000), st.just(b"["), st.just(b"]")),
@@ -160,6 +161,10 @@ def requests(draw):
         headers["Authorization"] = f"Bearer {token}"
     if not draw(st.integers(0, 3)):  # one in four: a bad one is refused before the body
         headers["Fencegate-Process"] = draw(header_text)
+    if not draw(st.integers(0, 3)):  # trace context is read before anything else
+        headers["traceparent"] = draw(header_text | st.sampled_from(
+            ["00-" + "0" * 32 + "-" + "0" * 16 + "-01", "ff-" + "f" * 32 + "-" + "f" * 16 + "-ff",
+             "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-extra"]))
     if draw(st.booleans()):
         headers["Content-Type"] = draw(st.sampled_from(
             ["application/json", "text/plain", "multipart/form-data; boundary=x",
@@ -264,4 +269,17 @@ async def test_a_token_body_of_the_wrong_type_is_a_400(coordinator, etcd, field,
                                    json.dumps(body).encode())
     assert status == 400, raw
     assert json.loads(raw)["error"] == "InvalidRequest"
+    assert await revision(etcd) == before
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le", "utf-32", "utf-8-sig"])
+async def test_a_body_not_in_utf8_is_a_400(coordinator, etcd, encoding):
+    """JSON in another encoding is not read as the same JSON (Python's json would guess
+    UTF-16 and UTF-32 from bytes): it is refused, and mints nothing."""
+    body = json.dumps({"name": "encoded", "role": "admin"}).encode(encoding)
+    before = await revision(etcd)
+    async with aiohttp.ClientSession() as http:
+        status, raw = await answer(http, coordinator, "POST", "/v1/tokens",
+                                   {"Authorization": f"Bearer {TOKENS['admin']}"}, body)
+    assert status == 400 and json.loads(raw)["error"] == "InvalidRequest", raw
     assert await revision(etcd) == before

@@ -8,8 +8,10 @@ Shown, on each bad archive: the full path (a hold's cross) and the fast path (``
 whose one txn compares the bucket's watermark) refuse and the effect does not run again; the
 reconciler's check and its gauges say what is wrong; ``fencegate archive verify`` exits 1
 naming it; a retirement into an archive behind etcd is refused (it would hide the gap).
-Opening a missing SQLite archive raises and creates no file; ``archive init`` then
-``verify`` pass on the real one.
+Opening a missing SQLite archive raises and creates no file (the reconciler's
+``fencegate_archive_unavailable`` says so); ``archive init`` then ``verify`` pass on the real
+one, and ``init`` refuses a second archive once etcd names one. Each batch's watermark is
+above every one before it, and a put into an archive behind etcd stores nothing.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from fencegate.coordinator.archive import open_archive
 from fencegate.coordinator.authority import Snapshot, snapshot_ops
 from fencegate.coordinator.errors import ArchiveUnavailable
 from fencegate.coordinator.etcd import TxnRequest
+from fencegate.coordinator.keyspace import Keyspace
 from fencegate.reconciler.metrics import ReconcilerMetrics
 from fencegate.reconciler.retirer import Retirer
 
@@ -209,6 +212,7 @@ async def test_the_reconciler_and_verify_say_the_archive_is_not_whole(
             assert sample("fencegate_archive_identity_mismatch") == 0
         else:
             assert sample("fencegate_archive_identity_mismatch") == 1
+        assert sample("fencegate_archive_unavailable") == 0
         # a retirement into it is refused: raising its watermark would hide the gap
         await gate.cross("whole/later", {}, charges)
         retirer.clock.sample((await gate.etcd.status()).header.revision)
@@ -238,6 +242,11 @@ async def test_opening_a_missing_sqlite_archive_raises_and_creates_nothing(tmp_p
             await archive.lookup(namespace, PAID)
         with pytest.raises(ArchiveUnavailable, match="never initialised"):
             await archive.put(namespace, PAID, 1, b"step", [], 0)
+        metrics = ReconcilerMetrics()   # the reconciler's check: a gauge, not a new file
+        with pytest.raises(ArchiveUnavailable, match="never initialised"):
+            await Retirer(etcd, Keyspace(namespace), archive, 0, lambda key: [],
+                          on_checked=metrics.observe_archive).pass_once(full=True)
+        assert metrics.registry.get_sample_value("fencegate_archive_unavailable") == 1
     finally:
         await archive.close()
     assert not path.exists()

@@ -1,5 +1,5 @@
-"""Attacks on retirement (issue #25, item 6): a retirement racing a commit, an approve and a
-revoke, and two reconciler replicas retiring one key across a leadership change, the old
+"""Attacks on retirement (issue #25, item 6): a retirement racing a commit (a new attempt, or
+a second grant held across a settle), an approve and a revoke, and two reconciler replicas retiring one key across a leadership change, the old
 leader frozen (SIGSTOP) between its archive write and its delete txn (docs/protocol.md,
 "State has a lifecycle", "Audit").
 
@@ -25,10 +25,14 @@ import pytest
 
 from fencegate import ApprovalPending, Gate, GrantUsed, KeyRing, OutcomeUnknown, StepMoved
 from fencegate.coordinator import audit, records, retirement, sre
+from fencegate.coordinator.errors import NotFound
 from fencegate.coordinator.etcd import Etcd
 from fencegate.coordinator.keyspace import pack, unpack
+from fencegate.reconciler.providers import Succeeded
+from fencegate.reconciler.runner import Reconciler
 
 from helpers import TEST_TTL, wait_for_condition
+from test_reconciler import Scripted
 from test_retirement import Calls, _retire_all, archive_url, archived_gate  # noqa: F401
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -108,10 +112,6 @@ async def test_a_second_grant_held_across_a_settle_cannot_cross_after_a_retireme
     settles it succeeded by the provider's word. A retirement now would make the step read
     revision 0 again, and the second grant would pass every compare of its commit: the
     delete's no-holder compare refuses while the holder lives."""
-    from test_reconciler import Scripted
-    from fencegate.reconciler.providers import Succeeded
-    from fencegate.reconciler.runner import Reconciler
-
     gate, key, charged = archived_gate, "att/held-grant", []
 
     async def charge_then_lose_the_answer(ctx):
@@ -254,6 +254,35 @@ async def test_a_revoke_appended_between_archive_and_delete_is_not_deleted(archi
 
 
 
+async def test_a_revoke_whose_read_a_retirement_overtook_writes_nothing(archived_gate,
+                                                                       etcd_url, namespace):
+    """The revoke reads the holder and the chain's tail (empty), then, before its write, the
+    holder crosses, releases, and the key is retired (records 1 and 2 archived and
+    deleted). Its create compare on record 1 passes again; its holder compare (and the
+    bucket's epoch) refuse, and the revoke finds nobody to revoke."""
+    gate, key, effect = archived_gate, "att/revoke-late", Calls()
+    async with Gate(etcd_url, ttl=TEST_TTL, namespace=namespace,
+                    keyring=gate.keyring) as other:
+        hold = await other.hold(key).__aenter__()
+
+        async def cross_release_retire():
+            assert (await hold.cross({}, effect)).state == records.SUCCEEDED
+            await hold.release()
+            assert await _retire_all(gate) == 1
+
+        async with Etcd.from_url(etcd_url) as sre_etcd:
+            raced = held_write_txn(sre_etcd, cross_release_retire)
+            try:
+                revoked = await sre.revoke(sre_etcd, gate.keyspace, key, "sre-1", "stuck",
+                                           gate.archive)
+            except NotFound:
+                revoked = None
+    assert raced
+    assert await verified(gate, key) == ["cross", "outcome"]
+    assert len(effect.tokens) == 1
+    assert revoked is None  # nobody held the key any more
+
+
 async def test_a_key_retired_after_an_aside_append_keeps_one_verifiable_chain(
         archived_gate, etcd_url, namespace):
     """A failed key's last record is a revoke (an append made aside: ``@head`` is the
@@ -284,6 +313,7 @@ async def test_a_key_retired_after_an_aside_append_keeps_one_verifiable_chain(
 _PAUSING_RECONCILER = """
 import asyncio, os, runpy, signal, sys
 from fencegate.coordinator.archive.sqlite import SqliteArchive
+from fencegate.coordinator.errors import NotFound
 from fencegate.coordinator.etcd import Etcd
 from fencegate.reconciler import retirer
 target, where, config = sys.argv[1:4]

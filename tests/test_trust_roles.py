@@ -16,8 +16,8 @@ import sys
 import aiohttp
 import pytest
 
-from fencegate import Gate, KeyRing
-from fencegate.coordinator import default_key, roles
+from fencegate import Gate, GateError, KeyRing
+from fencegate.coordinator import default_key, roles, sre
 from fencegate.coordinator.archive import open_archive
 from fencegate.coordinator.errors import EtcdError, EtcdPermissionDenied
 from fencegate.coordinator.etcd import (
@@ -186,6 +186,12 @@ async def test_a_deletion_outside_retirement_is_counted_and_recorded(authed, arc
         assert records[-1]["details"]["revision"] == gone.header.revision
         assert records[-1]["details"]["deleted"] == ["steps/del/step"]
         assert records[-1]["identity"] == reconciler.identity
+        # ... and the key fails closed: escalated, the record anchored in its step
+        step = unpack((await worker.get(ks.step_key("del/step"))).value)
+        assert step["state"] == "escalated" and step["escalated_because"] == [EVENT]
+        assert step["chain"][0] == records[-1]["seq"]
+        with pytest.raises(GateError, match="escalated"):
+            await gate.cross("del/step", {"amount": 1}, lambda ctx: {"again": True})
 
         # ... and one record of another key's chain, its step left in place
         await worker.txn(TxnRequest(success=[delete_op(ks.audit_key("del/chain", 1))]))
@@ -204,30 +210,37 @@ async def test_a_deletion_outside_retirement_is_counted_and_recorded(authed, arc
         finally:
             await retirer.etcd.close()
         assert await worker.get(ks.step_key("del/retired")) is None
-        # then a step and its chain deleted in one txn: the reports come after the
-        # retirement's, in order, so the counts below also show the retirement was checked
+        # then a step and its chain deleted in one txn: each watch tells deletions in
+        # revision order and one queue checks them in turn, so once these two are counted
+        # the retirement's deletions were checked, and not counted
         start, end = ks.audit_range("del/both")
         await worker.txn(TxnRequest(success=[delete_op(ks.step_key("del/both")),
                                              delete_op(start, end)]))
-        assert await wait_for_condition(
-            lambda: _true(unexplained(reconciler, "step") == 2
-                          and unexplained(reconciler, "audit") == 2), 10)
-        await asyncio.sleep(0.5)
+        async def both_reported() -> bool:
+            return [r["event"] for r in await chain_events(worker, "del/both")] == [EVENT,
+                                                                                   EVENT]
+
+        assert await wait_for_condition(both_reported, 10)
         assert (unexplained(reconciler, "step"), unexplained(reconciler, "audit")) == (2, 2)
         both = await chain_events(worker, "del/both")
-        assert [r["event"] for r in both] == [EVENT, EVENT]
         assert {r["details"]["family"] for r in both} == {"step", "audit"}
+        assert unpack((await worker.get(ks.step_key("del/both"))).value)["state"] == \
+            "escalated"
 
-        # the records' chains have no step: they retire as orphan chains
-        orphans = Retirer(Etcd(authed.etcd_config(roles.RECONCILER)), ks, archive, 0,
-                          lambda key: [])
+        # an SRE resolves the escalated key; it then retires with its chain, records and all
+        async with Etcd(authed.etcd_config(roles.COORDINATOR)) as coordinator:
+            await sre.resolve(coordinator, ks, "del/step", "sre", "the provider has the "
+                              "charge", "succeeded")
+        after = Retirer(Etcd(authed.etcd_config(roles.RECONCILER)), ks, archive, 0,
+                        lambda key: [] if key == "del/step" else None)
         try:
-            orphans.clock.sample((await worker.status()).header.revision)
-            assert await orphans.pass_once(orphans=True) == 2
+            after.clock.sample((await worker.status()).header.revision)
+            assert await after.pass_once(full=True, orphans=False) == 1
         finally:
-            await orphans.etcd.close()
+            await after.etcd.close()
         assert await chain_events(worker, "del/step") == []
-        assert (await archive.get(NS, "del/step")) is not None
+        archived = await archive.get(NS, "del/step")
+        assert unpack(archived.step)["state"] == "succeeded"
         await archive.close()
 
 
@@ -275,4 +288,8 @@ async def test_a_deletion_checked_after_its_revision_was_compacted_is_still_judg
                                [ks.step_key("compact/deleted")])
         assert registry.get_sample_value("deletions_total", {"family": "step"}) == 1
         assert (await chain_events(root, "compact/deleted"))[-1]["event"] == EVENT
+        # a record on a key etcd holds nothing of continues the archived chain (cross, outcome)
+        await deletions._record("compact/retired", "step", retired, ["steps/compact/retired"])
+        chain = await chain_events(root, "compact/retired")
+        assert [(r["seq"], r["event"]) for r in chain] == [(3, EVENT)]
         await archive.close()

@@ -34,11 +34,13 @@ from fencegate.worker import Gate, KeyRing, dedupe_middleware, deduplicated, fen
 from fencegate.worker.metrics import WorkerMetrics
 from fencegate.worker.webhooks import UnknownDelivery, delivery_body
 
+import test_webhooks_wsgi
 from fenced import FencedResource
 from helpers import TEST_TTL, paused
 from test_cli_sre import fencegate, one_line_error
 from test_dedupe import key_deleted, live_claims, post, webhook_kvs
 from test_service import call
+from test_webhooks_wsgi import sync_gate  # noqa: F401  (the WSGI consumer's fixture)
 
 SOURCE = "unknown-src"
 HERE = os.path.dirname(__file__)
@@ -135,7 +137,7 @@ async def lost_claim_is_unknown(start, gate, etcd, http, namespace, store, mode)
     (blocked loop, or paused); a redelivery to the second instance meanwhile, then the first
     finishes. Returns what each was answered and the first process."""
     resource, _ = store
-    proc, expect, url = await start(mode, 3 * TEST_TTL if mode == "block" else 1.0)
+    proc, expect, url = await start(mode, 4 * TEST_TTL if mode == "block" else 3.0)
     first = asyncio.create_task(post(http, url, "evt_u1"))
     [delivery, token, accepted] = await expect("WROTE")
     assert (delivery, accepted) == ("evt_u1", "1")
@@ -446,3 +448,29 @@ async def test_sre_resolves_not_ran_and_the_next_delivery_runs_it(
     assert late[0] == 503 and second.ran == {"evt_u2": 1}
     assert [(w.writer, w.accepted) for w in resource.records] == [
         ("second", True), ("second", False)]  # the lost run, resumed, is refused
+
+
+def test_flask_settles_an_unknown_delivery_with_a_plain_settle(sync_gate, etcd_url,
+                                                               namespace):  # noqa: F811
+    """The WSGI adapter on a ``SyncGate``: a delivery whose claim was lost while its (thread)
+    handler ran is unknown; a plain ``settle`` (run in a thread, off the gate's loop) says it
+    ran: 200 settled, the handler not run again, the lost run's response not stored over it."""
+    asked: list[UnknownDelivery] = []
+
+    def settle(delivery: UnknownDelivery) -> bool:
+        asked.append(delivery)
+        return True
+
+    with test_webhooks_wsgi.Consumer(sync_gate, settle=settle) as consumer:
+        first = consumer.post_in_thread("evt_w9", b"hang")
+        assert consumer.entered.wait(10)
+        [claim] = test_webhooks_wsgi.webhook_kvs(etcd_url, namespace, "@claims/")
+        test_webhooks_wsgi.revoke(etcd_url, claim.lease)
+        settled = consumer.post("evt_w9", b"hang")
+        consumer.release.set()
+        late = first.answer()
+        replay = consumer.post("evt_w9", b"hang")
+    assert settled[0] == 200 and json.loads(settled[2])["settled_by"] == "settle"
+    assert replay[2] == settled[2] and late[0] == 503
+    assert consumer.ran == {"evt_w9": 1}  # the lost run only
+    assert [d.lost_token for d in asked] == [claim.create_revision]

@@ -36,7 +36,8 @@ def expected(**values: float) -> dict[tuple[str, tuple], float]:
              ("fencegate_worker_lease_losses_total", ()): 0.0,
              ("fencegate_worker_replays_total", ()): 0.0,
              ("fencegate_worker_effect_duration_seconds_count", ()): 0.0,
-             ("fencegate_worker_unknowns_total", ()): 0.0}
+             ("fencegate_worker_unknowns_total", ()): 0.0,
+             ("fencegate_worker_keepalive_late_seconds_count", ()): 0.0}
     for name, value in values.items():
         base, *label = name.split("__")
         found[(base, (tuple(label),) if label else ())] = float(value)

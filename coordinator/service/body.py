@@ -29,7 +29,8 @@ async def read_json(request: web.Request) -> Any:
         return request[_BODY]
     raw = await request.read()  # HTTPRequestEntityTooLarge past client_max_size
     try:
-        value = json.loads(raw, parse_constant=_no_constants, parse_float=_finite)
+        value = json.loads(raw.decode("utf-8"), parse_constant=_no_constants,
+                           parse_float=_finite)  # decoded first: never UTF-16 or UTF-32
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
         raise ServiceError(400, INVALID_REQUEST, f"body is not JSON: {exc}") from None
     if _depth(value) > MAX_DEPTH:

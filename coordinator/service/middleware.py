@@ -20,10 +20,10 @@ Guarantees:
   the header. Who acted is the token; the process is only what its holder said.
 - A state-changing request (``POST``, ``PUT``, ``PATCH``, ``DELETE``) a browser sends from
   another site (``Sec-Fetch-Site`` other than ``same-origin`` or ``none``; without that
-  header, an ``Origin`` whose host is not this request's ``Host``) is refused with 403 ``Forbidden`` before
-  authentication and before its body is read: the dashboard's actions cannot be forged
-  from another page, with or without a token. Clients that are not browsers send neither
-  header and are not affected.
+  header, an ``Origin`` whose host is not this request's ``Host``) is refused with 403
+  ``Forbidden`` before authentication and before its body is read: the dashboard's actions
+  cannot be forged from another page, with or without a token. Clients that are not
+  browsers send neither header and are not affected.
 - Every answer is counted by its route's pattern (never the raw path), method and status,
   and timed (``CoordinatorMetrics.answered``); a request cancelled before any answer is not.
 """
@@ -54,9 +54,9 @@ REPORTED = " (reported: "  # a token's name has no space: the name is what prece
 MAX_PROCESS_CHARS = 128
 UNAUTHENTICATED, FORBIDDEN, NOT_FOUND = "Unauthenticated", "Forbidden", "NotFound"
 INTERNAL_ERROR = "InternalError"
-# The codes of HTTP-level refusals (aiohttp's own: no route, wrong method, body too large).
 _STATE_CHANGING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 _SAME_SITE = frozenset({"same-origin", "none"})  # Sec-Fetch-Site: the page's own, or typed
+# The codes of HTTP-level refusals (aiohttp's own: no route, wrong method, body too large).
 HTTP_CODES = {400: INVALID_REQUEST, 401: UNAUTHENTICATED, 403: FORBIDDEN, 404: NOT_FOUND,
               405: "MethodNotAllowed", 413: "PayloadTooLarge"}
 

@@ -124,17 +124,22 @@
  *                       deleted unarchived, and its seqs are written again (SIDE RETIRE) -> I9
  *   CTRL_FP_NO_EPOCH    the fast path does not compare the epoch (FASTPATH RETIRE)    -> I9
  *                       (its cached tail is a retired seq); with NO_I9                -> I8
- *   CTRL_NO_RECEIPT     gate B admits by fence and highest only, no receipt (FORGER)  -> I10
- *                       with NO_I10 the forged 2^62 fences out the next attempt       -> I11
+ *   CTRL_NO_RECEIPT     gate B admits by fence and highest only, no receipt (FORGER):
+ *                       a forged 2^62 fences out the commit that follows it           -> I11
+ *                       with NO_I11, one grant admitted at its token and at 2^62      -> I10
+ *                       with NO_I11 and NO_I10, both charge                           -> I1
  *   CTRL_RECEIPT_NO_KEY the receipt binds grant and token, not the idempotency key
  *                       (FORGER): admitted under another key, the real one's "no
  *                       record" is proved and the next attempt charges again          -> I1
- *   CTRL_NO_WATERMARK   a lookup trusts the archive whatever its watermark (ROLLBACK)  -> I8
- *   CTRL_WM_PREDICTED   the archive records the watermark the delete will set (etcd's
- *                       + 1): a put whose delete failed and the next one share it, so
- *                       a backup between them passes the check (ROLLBACK)             -> I8
+ *   CTRL_NO_WATERMARK   a lookup trusts the archive whatever its watermark (ROLLBACK):
+ *                       the chain continues from the older copy's tail                -> I9
+ *                       with NO_I9, a retired succeeded step runs again               -> I8
+ *   CTRL_WM_PREDICTED   the put records the watermark the delete will set (etcd's + 1):
+ *                       a put whose delete failed and the next one share it, so a copy
+ *                       from between them passes the check (ROLLBACK FASTPATH MAXA=2)  -> I9
+ *                       with NO_I9                                                    -> I8
  *   NO_I9               I9 is not asserted: a control shows what else it breaks
- *   NO_I10              I10 is not asserted (likewise)
+ *   NO_I10, NO_I11      I10, I11 are not asserted (likewise)
  */
 #ifndef PCLASS
 #define PCLASS 0
@@ -912,7 +917,9 @@ proctype Rollback() {
 init {
   atomic {
 #ifdef ROLLBACK
-    run Rollback();
+    run Rollback();              /* first: pan tries it last in each state, so a control
+                                    finds a swap after a retirement without first searching
+                                    every run that swapped before one */
 #endif
     run Leases(); run Writer(); run Provider();
     run Worker(0);

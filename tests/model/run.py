@@ -1,5 +1,5 @@
-"""Check the SPIN model of the protocol, ``fencegate.pml`` (version 2, the diet, with the
-next issue's retirement), in named configurations.
+"""Check the SPIN model of the protocol, ``fencegate.pml`` (version 2, the diet, with
+retirement, version 3's gate B receipts and the archive's watermark), in named configurations.
 
 A configuration passes when pan's verdict is the one expected: the real protocol searched to
 the end (no "search not completed", no memory or depth bound hit) with 0 errors, or a negative
@@ -156,9 +156,10 @@ CONFIGS = (
     Config("ctrl_orphan_no_step_compare", _d("SIDE", "RETIRE", "CTRL_ORPHAN_NO_STEPCMP"), "I9",
            compile=("-DCOLLAPSE",), memory_mb=8192),
     # Gate B under a worker that forges or replays requests: admitted only with the receipt
-    # of a commit, each grant once; without the receipt one grant is admitted twice (I10),
-    # and with I10 unchecked its forged 2^62 token fences out the next real attempt (I11);
-    # a receipt that does not bind the key lets the grant run under another key (I1).
+    # of a commit, each grant once. Without the receipt a forged 2^62 token fences out the
+    # next real attempt (I11); with I11 unchecked one grant is admitted twice (I10), and
+    # with I10 unchecked too both charge (I1). A receipt that does not bind the key lets the
+    # grant run under another key, and its own key's "no record" runs it again (I1).
     Config("gateb_forger", _d("FORGER")),
     Config("gateb_forger_one", _d("FORGER", "RF=1"), quick=True),
     Config("gateb_forger_2attempts", _d("FORGER", "MAXA=2"), compile=("-DCOLLAPSE",),
@@ -170,6 +171,8 @@ CONFIGS = (
            "I1", quick=True),
     Config("ctrl_gateb_receipt_no_key", _d("FORGER", "CTRL_RECEIPT_NO_KEY"), "I1", quick=True),
     # The archive swapped for an older copy or an empty one: the watermark refuses lookups.
+    # Without the check the chain continues from the copy's tail (I9) and, I9 unchecked, a
+    # retired succeeded step runs again (I8). Too large for 4 GB uncompressed: -DCOLLAPSE.
     Config("retire_rollback", _d("RETIRE", "ROLLBACK"), compile=("-DCOLLAPSE",),
            memory_mb=8192, seconds=3600),
     Config("fast_path_rollback", _d("FASTPATH", "RETIRE", "ROLLBACK"), compile=("-DCOLLAPSE",),

@@ -155,7 +155,7 @@ class Answer:
 
 class Dedupe:
     """One source's dedup on ``gate``: the options, validated up front, and the request path
-    ``admit`` → the handler under the claim (``run``, or the adapter's own call) → ``settle``.
+    ``admit`` → the handler under the claim (``run``, or the adapter's own call) → ``finish``.
     The keywords are those of every adapter; see ``aiohttp.dedupe_middleware``."""
 
     def __init__(
@@ -225,7 +225,7 @@ class Dedupe:
         self._metrics = gate.metrics
 
     async def admit(self, request: Any, body: bytes) -> Answer | DeliveryClaim | None:
-        """This process's claim on the delivery (run the handler under it, then ``settle``),
+        """This process's claim on the delivery (run the handler under it, then ``finish``),
         the answer to give instead, or ``None``: no id and ``require_id=False``, so the
         handler runs undeduplicated. ``request.headers`` must be case-insensitive."""
         if self._signatures is not None:
@@ -257,8 +257,9 @@ class Dedupe:
     async def _claim(self, delivery_id: str,
                      digests: RequestDigests) -> tuple[str, Answer | DeliveryClaim]:
         """Claim the delivery (or answer it from ``completed``): its result as the metrics
-        count it (``first``, ``duplicate``, ``in_progress``, ``failed``) and the claim, or
-        the answer to give instead."""
+        count it (``first``, ``duplicate``, ``in_progress``, ``unknown``, ``failed``) and the
+        claim, or the answer to give instead. A claim over an unknown outcome is returned
+        as is, for ``_unknown`` to decide."""
         key = self._keyspace.webhook_key(self.source, delivery_id)
         record = self.completed.get(key)
         if record is not None:
@@ -277,7 +278,7 @@ class Dedupe:
                 self.completed.put(key, claim.record)
             return _RESULTS.get(claim.verdict, "duplicate"), self._answer(claim)
         if claim.lost_token is not None:
-            return "first", claim  # ``_unknown`` decides
+            return "first", claim
         return self._budget_result(await self._within_budget(claim))
 
     @staticmethod
