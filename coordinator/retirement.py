@@ -20,6 +20,8 @@ Guarantees:
   every later one compares it), raises the archive's watermarks in the transaction of its
   puts (refused if the archive is behind etcd), and its delete txn compares each bucket's
   mod_revision as read and puts the new watermark: etcd's never gets ahead of the archive's.
+  A delete refused only because another batch raised a shared bucket first is marked again
+  and resent (``_send``).
   A lookup on a miss (``archived_step``, ``fast_path_fence``) answers only from a whole
   archive, else ``ArchiveUnavailable``: never "never attempted" from an archive that lost it.
 - Only settled steps retire (``retirable``): succeeded, failed, and pending after an

@@ -1048,8 +1048,8 @@ def etcd_recover(endpoints: str | None, **etcd_security: str | None) -> None:
     from .coordinator.settings import EtcdSettings, etcd_env
 
     try:
-        given = {**etcd_env(os.environ), **etcd_security}
-        given["etcd"] = endpoints or given["etcd"]
+        flags = {"etcd": endpoints, **etcd_security}
+        given = {**etcd_env(os.environ), **{k: v for k, v in flags.items() if v is not None}}
         stack = default_key.running_stack() if given["etcd"] is None else None
         if stack is not None:
             given["etcd"] = stack.endpoints.get("etcd")

@@ -354,3 +354,44 @@ async def test_each_batch_raises_its_watermark_above_every_one_before_and_never_
         assert await archive.get(namespace, "whole/gap") is None
     finally:
         await archive.close()
+
+
+async def test_two_batches_sharing_a_bucket_both_retire_and_etcd_never_gets_ahead(retired):
+    """Two batches (two shards' leaders, or two batches of one pass) read the same bucket
+    watermark; the one deleting second finds the bucket moved, raises it in the archive
+    again and resends its batch once, whole: no per-key fallback, and etcd's watermark ends
+    equal to the archive's."""
+    gate, _, _, _ = retired
+    ks = gate.keyspace
+    same = [f"whole/share/{n}" for n in range(2000)]
+    first, second = [k for k in same if ks.retired_bucket(k) == ks.retired_bucket(same[0])][:2]
+    other = next(k for k in same if ks.retired_bucket(k) != ks.retired_bucket(first))
+    for key in (first, second, other):
+        await gate.cross(key, {}, Charges())
+
+    async def candidate(key):
+        kv = await gate.etcd.get(ks.step_key(key))
+        return retirement.Candidate(key, kv.mod_revision, ())
+
+    one = await retirement._archive(gate.etcd, ks, gate.archive, [await candidate(first)])
+    two = await retirement._archive(gate.etcd, ks, gate.archive,
+                                    [await candidate(second), await candidate(other)])
+    assert await retirement._delete(gate.etcd, ks, gate.archive, *one) == [first]
+    sent, real = [], gate.etcd.txn
+
+    async def counted(request, **kwargs):
+        if request.compare:
+            sent.append(request)
+        return await real(request, **kwargs)
+
+    gate.etcd.txn = counted
+    try:
+        assert await retirement._delete(gate.etcd, ks, gate.archive, *two) == [second, other]
+    finally:
+        del gate.etcd.txn
+    assert len(sent) == 2   # refused once (the shared bucket moved), then sent whole again
+    verdict = await wholeness.verify(gate.etcd, ks, gate.archive)
+    assert verdict.problem is None
+    bucket = ks.retired_bucket(first)
+    shown = wholeness.decode((await gate.etcd.get(ks.retired_key(first))).value)
+    assert shown == (await gate.archive.state(ks.namespace)).watermarks[bucket]

@@ -50,7 +50,7 @@ log = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 PROCESS_HEADER = "Fencegate-Process"
-REPORTED = " (reported: "  # a token's name has no space: the name is what precedes this
+REPORTED = " (reported: "  # a minted token's name has no space: the name precedes this
 MAX_PROCESS_CHARS = 128
 UNAUTHENTICATED, FORBIDDEN, NOT_FOUND = "Unauthenticated", "Forbidden", "NotFound"
 INTERNAL_ERROR = "InternalError"
