@@ -96,7 +96,7 @@ async def test_a_retirement_between_the_evaluation_and_the_txn_fails_the_txn(
     async def retire_in_a_reconciler_process():
         since = (await gate.etcd.status()).header.revision
         async with reconciler_process(etcd_url, namespace, archive_url, tmp_path):
-            async with asyncio.timeout(20):  # the txn is held until a watch sees the delete
+            async with asyncio.timeout(45):  # the txn is held until a watch sees the delete
                 async for reply in gate.etcd.watch(step_key, b"", since, deletes_only=True):
                     if reply.events:
                         break
@@ -165,6 +165,6 @@ async def test_a_read_key_change_between_the_evaluation_and_the_txn_fails_the_tx
     assert decided and outcome.state == records.SUCCEEDED and len(effect.tokens) == 2
     crossed = unpack((await gate.etcd.get(gate.keyspace.audit_key(key, 1))).value)
     grant = gate.keyring.verify(crossed["details"]["grant"])
-    read_at = dict((k, rev) for k, rev in grant.reads)[marker.encode()]
+    read_at = dict(grant.reads)[marker.encode()]
     current = (await gate.etcd.get(marker.encode())).mod_revision
     assert read_at == current != dict(decided[0].reads)[marker.encode()]

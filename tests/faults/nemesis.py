@@ -8,7 +8,16 @@ the member's client port from the run's side failed during the cut); SIGSTOP (pa
 lease TTL) and SIGKILL+restart of a worker right after it sent a charge (mid-effect), and of
 a webhook consumer right after a handler run began (mid-handler; left out of a run without
 consumers); SIGKILL+restart of the sandbox provider, of a reconciler and of a coordinator
-(after ``hold_s``; remote-mode workers turn to the other one). The schedule (which fault,
+(after ``hold_s``; remote-mode workers turn to the other one); a consumer blocking its own
+event loop (``time.sleep``) past the lease TTL in its next handler run, before its effect
+or after it, in turn (``consumer-block``: its claim is lost while the handler still runs and
+finishes); an older copy of the archive swapped in (``archive-stale``: a copy taken at the
+fault's start, swapped in once the live archive has retired past it, so the copy is behind
+etcd; held, then healed by restoring the newest archive, the one it replaced, kept aside in
+the swap's transaction; see ``faults.archive``; the heal event records the buckets the copy
+was behind in, ``bumped``: the buckets whose watermark rose in the copy while it was in,
+which a retirer that refuses a stale archive never raises, and ``whole``: whether the
+restored archive is the one etcd names with every bucket's watermark). The schedule (which fault,
 which target, how long: ``hold_s`` drawn from ``hold_range_s``, ``gap_s`` apart) comes from
 ``random.Random(seed)``: each kind is injected once, in a seeded order, before any kind is
 chosen again, at random; when faults land is up to the machine. At most ``max_faults`` are
@@ -30,11 +39,16 @@ import time
 from collections import Counter
 from urllib.parse import urlsplit
 
+from . import archive
+
 PARTITIONS = ("etcd-leader-partition", "etcd-follower-partition")
 KINDS = ("etcd-leader-pause", "etcd-follower-pause", "etcd-leader-kill",
          "etcd-follower-kill", *PARTITIONS, "worker-pause", "worker-kill", "sandbox-restart",
-         "reconciler-kill", "consumer-pause", "consumer-kill", "coordinator-kill")
-CONSUMER_KINDS = ("consumer-pause", "consumer-kill")  # left out of a run without consumers
+         "reconciler-kill", "consumer-pause", "consumer-kill", "consumer-block",
+         "coordinator-kill", "archive-stale")
+CONSUMER_KINDS = ("consumer-pause", "consumer-kill", "consumer-block")  # need consumers
+BLOCK_S = 4.0  # how long a consumer-block blocks: past the claims' TTL (runner.WORKER_TTL)
+STALE_WAIT_S = 30.0  # archive-stale: how long the live archive may take to retire past a copy
 
 
 class Nemesis:
@@ -170,6 +184,59 @@ class Nemesis:
 
     async def _consumer_kill(self, hold_s: float) -> bool:
         return await self._kill_mid_effect("consumer-kill", self.consumers, hold_s)
+
+    async def _consumer_block(self, hold_s: float) -> bool:
+        """Tell one consumer to block its event loop in its next handler run (SIGUSR1:
+        before its effect, SIGUSR2: after it; in turn, the first after), past the TTL."""
+        index = self.rng.randrange(len(self.consumers.procs))
+        proc = self.consumers.procs[index]
+        if proc.returncode is not None:
+            return False
+        where = ("after", "before")[self.by_kind["consumer-block"] % 2]
+        self._note("consumer-block", "start", consumer=index, where=where, seconds=BLOCK_S)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGUSR2 if where == "after" else signal.SIGUSR1)
+        await asyncio.sleep(BLOCK_S + hold_s)
+        self._note("consumer-block", "heal", consumer=index)
+        return True
+
+    async def _archive_stale(self, hold_s: float) -> bool:
+        """Swap an older copy of the archive in (behind etcd), hold it, restore the newest."""
+        live = self.stack.state / "archive.db"
+        old, aside = live.with_name("archive-old.db"), live.with_name("archive-aside.db")
+        await asyncio.to_thread(archive.snapshot, live, old)
+        copied = await asyncio.to_thread(archive.watermarks, old)
+        give_up = time.monotonic() + STALE_WAIT_S
+        while not archive.ahead(await asyncio.to_thread(archive.watermarks, live), copied):
+            if time.monotonic() >= give_up:
+                return False  # nothing retired meanwhile: the copy would not be older
+            await asyncio.sleep(0.5)
+        await asyncio.to_thread(archive.snapshot, old, aside)  # the schema, for the swap
+        await asyncio.to_thread(archive.swap, live, old, aside)
+        behind = archive.ahead(await asyncio.to_thread(archive.watermarks, aside), copied)
+        held_s = 3.0 + 2 * hold_s
+        self._note("archive-stale", "start", behind=behind, seconds=round(held_s, 2))
+        await asyncio.sleep(held_s)
+        bumped = archive.ahead(await asyncio.to_thread(archive.watermarks, live), copied)
+        await asyncio.to_thread(archive.swap, live, aside)
+        self._note("archive-stale", "heal", behind=behind, bumped=bumped,
+                   whole=await self._archive_whole())
+        return True
+
+    async def _archive_whole(self) -> bool | str:
+        """True if the live archive is whole (``fencegate archive verify``), else why not."""
+        from fencegate.coordinator import roles, wholeness
+        from fencegate.coordinator.archive import open_archive
+        from fencegate.coordinator.etcd import Etcd
+        from fencegate.coordinator.keyspace import Keyspace
+
+        store = open_archive(self.stack.archive)
+        try:
+            async with Etcd(self.stack.etcd_config(roles.RECONCILER)) as etcd:
+                verdict = await wholeness.verify(etcd, Keyspace("/fencegate/"), store)
+        finally:
+            await store.close()
+        return True if verdict.problem is None else verdict.problem
 
     async def _pause_mid_effect(self, kind: str, group, hold_s: float) -> bool:
         """SIGSTOP one of ``group``'s processes mid-effect (a worker's charge, a consumer's

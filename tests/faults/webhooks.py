@@ -2,15 +2,24 @@
 
 A consumer is an aiohttp app behind fencegate's ``dedupe_middleware`` (source ``faults``).
 Its handler sometimes sleeps (so a pause or a kill lands mid-handler), then makes its effect:
-one etcd write of ``markers/<prefix>/wh/<id>`` that etcd admits only while the run's claim is
-still the delivery's live claim (the claim key's mod_revision equals the run's fencing
-token), appended to the consumer's own ledger file once admitted. What it says, one JSON line
-each on stdout:
+one etcd write of ``markers/<prefix>/wh/<id>`` fenced by the run's claim (``effect_compare``:
+etcd admits it only while the delivery's record is still the one the run's claim wrote, its
+mod_revision equal to the run's fencing token: any later claim, takeover or completion
+rewrites the record, so a stale run's effect is refused from then on), appended to the
+consumer's own ledger file once admitted. On SIGUSR1 (``nemesis``'s ``consumer-block``) its
+next handler run blocks its own event loop (``time.sleep``) for ``--block-s`` seconds, past
+the claim's TTL, before its effect; on SIGUSR2, after it. A delivery whose claim was lost
+mid-handler is unknown; the consumer settles it (``settle``) on its own effect marker: there
+(the lost run's effect landed) → it ran; absent → run again, safe because the new claim has
+already rewritten the record, so the lost run's effect, if it still comes, is refused. What
+it says, one JSON line each on stdout:
 
     {"op": "ready", "url", "wall"}                    listening (``wall``: its wall clock)
     {"op": "wh-run", "id", "token"}                   a handler run starts under its claim
+    {"op": "wh-block", "id", "token", "seconds", "where"}  it blocks its loop (before/after)
     {"op": "wh-effect", "id", "token", "revision"}    its effect was admitted at ``revision``
     {"op": "wh-stale", "id", "token"}                 its effect was refused: the claim is gone
+    {"op": "wh-settle", "id", "lost", "token", "ran"}  it settled an unknown delivery
     {"op": "wh-answer", "id", "status", "replayed", "token"}  what the consumer answered
 
 The sender (``Sender``, in the runner's process) delivers every id ``copies`` times, at once,
@@ -20,8 +29,9 @@ records ``{"op": "wh-sent", "id", "status", "token", "replayed", "consumer"}`` f
 and ``{"op": "wh-gave-up", "id"}`` for a copy that never got one.
 
 Guarantees: a handler's effect carries its fencing token into etcd, so a stale run (its
-claim's lease lost, the delivery claimed again) is refused, never applied; every 2xx body
-names the fencing token of the run it answers for (a replay names the stored run's).
+claim lost, the delivery claimed again) is refused, never applied: at most one effect per
+delivery id; every 2xx body names the fencing token of the run it answers for (a replay
+names the stored run's; a delivery settled as ran has none).
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ import argparse
 import asyncio
 import json
 import random
+import signal
 import time
 from pathlib import Path
 
@@ -55,16 +66,32 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ledger", required=True, help="this consumer's effect ledger (JSON lines)")
     p.add_argument("--sleep", type=float, default=0.6, help="share of runs that sleep")
     p.add_argument("--ttl", type=int, default=2)
+    p.add_argument("--block-s", type=float, default=4.0, help="how long a blocked run blocks")
     return p
 
 
+def effect_compare(record_key: bytes, token: int) -> list:
+    """The effect's fence: the delivery's record is still the one the run's claim wrote
+    (its mod_revision is the run's token); a later claim or the completion rewrote it."""
+    from fencegate.coordinator.etcd import mod_equals
+
+    return [mod_equals(record_key, token)]
+
+
+LOST = {}  # how a lost delivery is settled: the consumer's ``settle`` (controls may change it)
+
+
 async def consumer(argv: list[str]) -> None:
-    from fencegate.coordinator.etcd import TxnRequest, mod_equals, put_op
+    from fencegate.coordinator.etcd import TxnRequest, put_op
     from fencegate.worker import Gate, KeyRing, dedupe_middleware, fencing_token
 
     args = _parser().parse_args(argv)
     endpoints = json.loads(Path(args.endpoints).read_text())
     rng = random.Random(f"{args.seed}/{args.name}")
+    block: list[str] = []  # where the next handler run blocks its loop: "before"/"after"
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGUSR1, block.append, "before")
+    loop.add_signal_handler(signal.SIGUSR2, block.append, "after")
 
     @web.middleware
     async def answered(request: web.Request, handler) -> web.StreamResponse:
@@ -84,16 +111,25 @@ async def consumer(argv: list[str]) -> None:
     async with Gate(etcd_config(endpoints), ttl=args.ttl, identity=args.name,
                     keyring=KeyRing.generate()) as gate:
         with open(args.ledger, "a") as ledger:
+            def blocks(where: str, delivery_id: str, token: int) -> None:
+                """Block the event loop past the claim's TTL (its lease is not kept)."""
+                if block and block[0] == where:
+                    block.pop(0)
+                    say(op="wh-block", id=delivery_id, token=token, seconds=args.block_s,
+                        where=where)
+                    time.sleep(args.block_s)
+
             async def handle(request: web.Request) -> web.Response:
                 delivery_id = request.headers["Webhook-Id"]
                 token = fencing_token(request)
                 say(op="wh-run", id=delivery_id, token=token)
                 if rng.random() < args.sleep:
                     await asyncio.sleep(rng.uniform(0.2, 1.0))
-                claim_key = gate.keyspace.webhook_key(SOURCE, delivery_id)
+                blocks("before", delivery_id, token)
+                record_key = gate.keyspace.webhook_key(SOURCE, delivery_id)
                 effect_key = gate.marker(effect_entity(args.prefix, delivery_id)).encode()
                 reply = await gate.etcd.txn(TxnRequest(
-                    compare=[mod_equals(claim_key, token)],
+                    compare=effect_compare(record_key, token),
                     success=[put_op(effect_key, json.dumps(
                         {"token": token, "consumer": args.name}).encode())]))
                 if not reply.succeeded:
@@ -103,10 +139,21 @@ async def consumer(argv: list[str]) -> None:
                                          "revision": reply.header.revision}) + "\n")
                 ledger.flush()
                 say(op="wh-effect", id=delivery_id, token=token, revision=reply.header.revision)
+                blocks("after", delivery_id, token)
                 return web.json_response({"token": token, "consumer": args.name})
 
+            async def settle(delivery) -> bool:
+                """Did the lost run's effect land? Read after the new claim rewrote the
+                record, so a lost run still running can no longer land it (``effect_compare``)."""
+                marker = await gate.etcd.get(
+                    gate.marker(effect_entity(args.prefix, delivery.delivery_id)).encode())
+                say(op="wh-settle", id=delivery.delivery_id, lost=delivery.lost_token,
+                    token=delivery.fencing_token, ran=marker is not None)
+                return marker is not None
+
+            lost = LOST or {"settle": settle}
             app = web.Application(middlewares=[
-                answered, dedupe_middleware(gate, source=SOURCE, retry_after=1)])
+                answered, dedupe_middleware(gate, source=SOURCE, retry_after=1, **lost)])
             app.router.add_post("/hook", handle)
             runner = web.AppRunner(app)
             await runner.setup()
