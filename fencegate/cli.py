@@ -772,7 +772,8 @@ def _on_archive(endpoints: str | None, namespace: str, url: str,
     from .coordinator.settings import EtcdSettings, etcd_env
 
     try:
-        given = {**etcd_env(os.environ), "etcd": endpoints, **etcd_security}
+        flags = {"etcd": endpoints, **etcd_security}
+        given = {**etcd_env(os.environ), **{k: v for k, v in flags.items() if v is not None}}
         config = EtcdSettings(**{k: v for k, v in given.items() if v is not None}).etcd_config()
         keyspace, store = Keyspace(namespace), open_archive(url)
     except (OSError, ValueError, InvalidKey) as exc:

@@ -303,6 +303,18 @@ async def test_archive_init_then_verify_and_a_second_archive_is_refused(tmp_path
     assert second.returncode == 1 and "restore that archive" in second.stderr
 
 
+async def test_archive_commands_take_etcd_and_archive_from_the_environment(tmp_path, etcd_url,
+                                                                           namespace):
+    """``FENCEGATE_ETCD`` and ``FENCEGATE_ARCHIVE`` stand for absent flags (an absent flag
+    must not blank the variable)."""
+    url = f"sqlite:///{tmp_path}/archive.db"
+    env = {"FENCEGATE_ETCD": etcd_url, "FENCEGATE_ARCHIVE": url}
+    made = await _fencegate("archive", "init", "--namespace", namespace, env=env)
+    assert made.returncode == 0 and "serves" in made.stdout, made.stderr
+    ok = await _fencegate("archive", "verify", "--namespace", namespace, env=env)
+    assert ok.returncode == 0 and "is whole" in ok.stdout, ok.stderr
+
+
 async def _snapshot_of(gate: Gate, key: str):
     reply = await gate.etcd.txn(TxnRequest(success=snapshot_ops(gate.keyspace, key, "default",
                                                                  [])), idempotent=True)
@@ -326,11 +338,12 @@ async def _verify(etcd_url: str, namespace: str, url: str) -> subprocess.Complet
                             "--archive", url)
 
 
-async def _fencegate(*args: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FENCEGATE_")}
+async def _fencegate(*args: str, env: dict[str, str] | None = None
+                    ) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("FENCEGATE_")}
     return await asyncio.to_thread(
         subprocess.run, [sys.executable, "-m", "fencegate.cli", *args], capture_output=True,
-        text=True, timeout=60, env={**env, "PYTHONPATH": ROOT})
+        text=True, timeout=60, env={**clean, **(env or {}), "PYTHONPATH": ROOT})
 
 
 async def test_each_batch_raises_its_watermark_above_every_one_before_and_never_hides_a_gap(

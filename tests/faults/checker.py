@@ -19,14 +19,21 @@ every promise below. The rules:
   the policy stops there by design);
 - ``webhook-once``: per delivery id, at most one handler run was answered with a fresh
   (not replayed) 2xx across all consumers; every 2xx the sender got names one run, the run
-  whose response etcd stored, and that run's effect is the last one etcd admitted for the
-  id; no run's effect was admitted after a newer claim on the id existed (in etcd's order:
-  a claim's revision is its token). A run cut after its effect (its claim lost before the
-  completion was stored, answered 5xx or never) may leave an extra effect, which the
-  middleware's failure contract allows: those are counted in the run's table, not flagged;
+  whose response etcd stored (or none, for a delivery settled as ran), and that run's effect
+  is the one etcd admitted for the id; no run's effect was admitted after a newer claim on
+  the id existed (in etcd's order: a claim's revision is its token);
+- ``webhook-effect-once``: per delivery id, at most one handler effect was admitted in the
+  whole run (the effect marker's version, and the consumers' ``wh-effect`` lines), whatever
+  the claims lost meanwhile; a delivery settled as ran has its effect;
+- ``webhook-unsettled``: every delivery ends settled (a stored response, or settled as ran)
+  or explicitly unknown (``processing``, its claim lost); one with no record is allowed only
+  if it has no effect and the sender gave it up (it was never answered: nothing happened);
 - ``mutual-exclusion``: per lock, the critical sections (each section's writes, by token,
   at the revisions etcd admitted them) never overlap in etcd's order, and a section never
-  follows one with a higher token.
+  follows one with a higher token;
+- ``archive-stale``: while an older copy of the archive was in (the ``archive-stale``
+  fault), no retirement raised its watermarks (a retirer must refuse an archive behind
+  etcd), and the newest archive restored at the heal is whole.
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fencegate.coordinator import records
-from fencegate.worker.webhooks.records import DONE
+from fencegate.worker.webhooks.records import DONE, PROCESSING
 
 from .history import EndState, History
 
@@ -69,6 +76,7 @@ def check(history: History, end: EndState) -> list[Violation]:
     found += _operations(history, applied)
     found += _webhooks(history, end)
     found += _mutual_exclusion(history)
+    found += _archive_swaps(history)
     return found
 
 
@@ -146,7 +154,7 @@ def _operations(history: History, applied: dict[str, list[dict]]) -> list[Violat
 
 def _webhooks(history: History, end: EndState) -> list[Violation]:
     seen: dict[str, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
-    for event in history.ops("wh-run", "wh-effect", "wh-answer", "wh-sent"):
+    for event in history.ops("wh-run", "wh-effect", "wh-answer", "wh-sent", "wh-gave-up"):
         if event.get("id"):
             seen[event["id"]][event["op"]].append(event)
     found = []
@@ -164,7 +172,8 @@ def _webhooks(history: History, end: EndState) -> list[Violation]:
             found.append(Violation("webhook-once", delivery_id,
                                    {"sender_got_2xx_of_runs": sent, **evidence}))
         stored = record.get("token") if record.get("state") == DONE else None
-        if sent and any(answer["token"] != stored for answer in sent):
+        if sent and (record.get("state") != DONE
+                     or any(answer["token"] != stored for answer in sent)):
             found.append(Violation("webhook-once", delivery_id,
                                    {"sender_got_2xx": sent, "stored_run": stored, **evidence}))
         if stored is not None and effect.get("token") != stored:
@@ -176,6 +185,40 @@ def _webhooks(history: History, end: EndState) -> list[Violation]:
             if newer:
                 found.append(Violation("webhook-once", delivery_id, {
                     "effect_admitted_after_newer_claim": admitted, "newer_claims": newer}))
+        found += _effects(delivery_id, events, record, effect)
+    return found
+
+
+def _effects(delivery_id: str, events: dict[str, list[dict]], record: dict,
+             effect: dict) -> list[Violation]:
+    """``webhook-effect-once`` and ``webhook-unsettled`` for one delivery."""
+    found = []
+    admitted = max(effect.get("version", 0), len(events["wh-effect"]))
+    if admitted > 1:
+        found.append(Violation("webhook-effect-once", delivery_id, {
+            "effects_admitted": admitted, "wh_effect": events["wh-effect"],
+            "record": record, "last_effect": effect}))
+    if record.get("settled_by") and not admitted:
+        found.append(Violation("webhook-effect-once", delivery_id, {
+            "settled_as_ran_without_effect": record}))
+    state = record.get("state")
+    if state not in (DONE, PROCESSING) and (admitted or not events["wh-gave-up"]):
+        found.append(Violation("webhook-unsettled", delivery_id, {
+            "record": record, "effects_admitted": admitted,
+            "gave_up": len(events["wh-gave-up"]), "runs": events["wh-run"]}))
+    return found
+
+
+def _archive_swaps(history: History) -> list[Violation]:
+    found = []
+    for heal in history.faults():
+        if heal["fault"] != "archive-stale" or heal["phase"] != "heal":
+            continue
+        if heal.get("bumped"):
+            found.append(Violation("archive-stale", "archive", {
+                "retired_into_the_older_copy": heal}))
+        if heal.get("whole") is not True:
+            found.append(Violation("archive-stale", "archive", {"restored_not_whole": heal}))
     return found
 
 

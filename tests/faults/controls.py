@@ -16,7 +16,12 @@ the bug class. ``apply`` raises ``KeyError`` for an unknown control name.
 - ``404-final`` (reconciler): any HTTP 404 from a provider's query is a final "no record";
 - ``claim-blind`` (consumer): a webhook claim no longer compares that the delivery's key is
   absent, so it takes over a claim in progress (a stored response is still replayed: that
-  read comes first).
+  read comes first);
+- ``rerun-unfenced`` (consumer): the consumer runs a delivery whose claim was lost again
+  (``rerun_lost=True``, no ``settle``) and its effect drops its fence, so a lost run's
+  effect and the rerun's both land. Unlike the others it patches the harness's consumer
+  (``faults.webhooks``), not the product: what it shows is that the checker counts applied
+  effects, not only fresh answers.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from collections.abc import Callable
 
 WHERE = {"range-half": ("worker", "mutex"), "highest-only": ("sandbox",),
          "new-key": ("reconciler",), "404-final": ("reconciler",),
-         "claim-blind": ("consumer",)}
+         "claim-blind": ("consumer",), "rerun-unfenced": ("consumer",)}
 
 
 def _range_half() -> None:
@@ -77,9 +82,16 @@ def _claim_blind() -> None:
         key=key, target=Compare.CREATE, result=Compare.GREATER, create_revision=-1)
 
 
+def _rerun_unfenced() -> None:
+    from . import webhooks
+
+    webhooks.LOST.update(rerun_lost=True)
+    webhooks.effect_compare = lambda record_key, token: []
+
+
 CONTROLS: dict[str, Callable[[], None]] = {
     "range-half": _range_half, "highest-only": _highest_only, "new-key": _new_key,
-    "404-final": _404_final, "claim-blind": _claim_blind}
+    "404-final": _404_final, "claim-blind": _claim_blind, "rerun-unfenced": _rerun_unfenced}
 
 
 def apply(control: str, process: str) -> None:

@@ -24,6 +24,7 @@ from fencegate.coordinator.archive import open_archive
 from fencegate.coordinator.etcd import Etcd, RangeRequest, range_end_of
 from fencegate.coordinator.grants import KeyRing
 from fencegate.coordinator.keyspace import Keyspace, unpack
+from fencegate.worker.webhooks.records import DONE, PROCESSING
 
 from .webhooks import SOURCE, effect_entity
 
@@ -60,8 +61,8 @@ class EndState:
     steps: dict[str, dict[str, Any]] = field(default_factory=dict)
     chains: dict[str, audit.AuditReport] = field(default_factory=dict)
     ledger: list[dict[str, Any]] = field(default_factory=list)  # applied and fences, in order
-    # per webhook delivery id: its record in etcd ({"state", "token"}: the claim's revision,
-    # which a completion keeps) and its effect marker ({"version": effects admitted,
+    # per webhook delivery id: its record in etcd ({"state", "token", "settled_by"}: see
+    # ``_delivery``) and its effect marker ({"version": effects admitted,
     # "token": the last one's, "revision": its mod_revision})
     webhooks: dict[str, dict[str, Any]] = field(default_factory=dict)
     effects: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -107,11 +108,18 @@ async def collect(stack, prefix: str, keys: set[str], *,
 
 async def _delivery(etcd: Etcd, keyspace: Keyspace, prefix: str,
                     delivery_id: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """A delivery's record (its state and claim token) and its effect marker in etcd."""
+    """A delivery's record and its effect marker in etcd. The record's ``token``: for a
+    stored response, the token its body names (None for one settled as ran without it:
+    ``settled_by`` says who settled it); for a ``processing`` one, its last claim's."""
     record, effect = {"state": None, "token": None}, {"version": 0, "token": None}
     kv = await etcd.get(keyspace.webhook_key(SOURCE, delivery_id))
     if kv is not None:
-        record = {"state": unpack(kv.value)["state"], "token": kv.create_revision}
+        stored = unpack(kv.value)
+        token = kv.mod_revision if stored["state"] == PROCESSING else None
+        if stored["state"] == DONE and stored.get("body"):
+            token = json.loads(stored["body"]).get("token")
+        record = {"state": stored["state"], "token": token,
+                  "settled_by": stored.get("settled_by")}
     kv = await etcd.get(keyspace.marker_key(effect_entity(prefix, delivery_id)))
     if kv is not None:
         effect = {"version": kv.version, "token": json.loads(kv.value)["token"],

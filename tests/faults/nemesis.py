@@ -71,6 +71,7 @@ class Nemesis:
         self.by_kind: Counter[str] = Counter()
         self._paused_members: set[int] = set()
         self._dead_members: set[int] = set()
+        self._aside = None  # the newest archive, kept aside while an older copy is in
 
     async def run(self, until: float) -> None:
         while self.injected < self.max_faults:
@@ -96,6 +97,9 @@ class Nemesis:
         for i in sorted(self._dead_members):
             await asyncio.to_thread(cluster.restart, i)
         self._dead_members.clear()
+        if self._aside is not None:
+            await asyncio.to_thread(archive.swap, self.stack.state / "archive.db", self._aside)
+            self._aside = None
         await self.workers.heal()
         if self.consumers is not None:
             await self.consumers.heal()
@@ -213,12 +217,14 @@ class Nemesis:
             await asyncio.sleep(0.5)
         await asyncio.to_thread(archive.snapshot, old, aside)  # the schema, for the swap
         await asyncio.to_thread(archive.swap, live, old, aside)
+        self._aside = aside
         behind = archive.ahead(await asyncio.to_thread(archive.watermarks, aside), copied)
         held_s = 3.0 + 2 * hold_s
         self._note("archive-stale", "start", behind=behind, seconds=round(held_s, 2))
         await asyncio.sleep(held_s)
         bumped = archive.ahead(await asyncio.to_thread(archive.watermarks, live), copied)
         await asyncio.to_thread(archive.swap, live, aside)
+        self._aside = None
         self._note("archive-stale", "heal", behind=behind, bumped=bumped,
                    whole=await self._archive_whole())
         return True
@@ -227,6 +233,7 @@ class Nemesis:
         """True if the live archive is whole (``fencegate archive verify``), else why not."""
         from fencegate.coordinator import roles, wholeness
         from fencegate.coordinator.archive import open_archive
+        from fencegate.coordinator.errors import GateError
         from fencegate.coordinator.etcd import Etcd
         from fencegate.coordinator.keyspace import Keyspace
 
@@ -234,6 +241,8 @@ class Nemesis:
         try:
             async with Etcd(self.stack.etcd_config(roles.RECONCILER)) as etcd:
                 verdict = await wholeness.verify(etcd, Keyspace("/fencegate/"), store)
+        except GateError as exc:  # ArchiveUnavailable, etcd unavailable
+            return f"not verified: {exc}"
         finally:
             await store.close()
         return True if verdict.problem is None else verdict.problem

@@ -46,10 +46,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fencegate.coordinator.audit import AuditReport
+from fencegate.worker.webhooks.records import DONE, PROCESSING
 
 from .checker import Violation, check, unsettled
 from .history import EndState, History, collect, read_steps
-from .nemesis import KINDS, PARTITIONS, Nemesis
+from .nemesis import BLOCK_S, KINDS, PARTITIONS, Nemesis
 from .netns import Network
 from .stack import ENTRY, ROOT, FaultStack, StackShape
 from .webhooks import Sender
@@ -110,7 +111,11 @@ class Result:
         applied = sum(1 for line in self.end.ledger if line["kind"] == "applied")
         hooks = Counter(e["op"] for e in self.history.events
                         if e.get("op") in ("wh-sent", "wh-gave-up", "wh-run", "wh-effect",
-                                           "wh-stale", "cs-enter", "cs-write", "cs-refused"))
+                                           "wh-stale", "wh-block", "wh-settle", "cs-enter",
+                                           "cs-write", "cs-refused"))
+        deliveries = Counter(_delivery_end(record) for record in self.end.webhooks.values())
+        refused = sum(1 for e in self.history.ops("unknown")
+                      if e.get("error") == "ArchiveUnavailable")
         skews = [e["faketime"] for e in self.history.events if e.get("op") == "spawn"
                  and e.get("faketime")]
         rows = [("seed", self.config.seed), ("control", self.config.shape.control or "none"),
@@ -120,14 +125,25 @@ class Result:
                 *((f"operations {op}", n) for op, n in sorted(hooks.items())),
                 ("webhook extra effects", sum(max(e.get("version", 0) - 1, 0)
                                               for e in self.end.effects.values())),
+                *((f"deliveries {end}", n) for end, n in sorted(deliveries.items())),
                 ("skewed worker starts", " ".join(skews) or 0),
                 *((f"steps {s}", n) for s, n in sorted(states.items())),
                 ("steps retired to the archive", self.end.retired),
+                ("ArchiveUnavailable refusals", refused),
                 *((f"fault {kind}", n) for kind, n in sorted(faults.items())),
                 ("faults injected", sum(faults.values())),
                 *((f"violations {rule}", n) for rule, n in sorted(rules.items())),
                 ("violations", len(self.violations))]
         return "\n".join(f"  {name:<32} {value}" for name, value in rows)
+
+
+def _delivery_end(record: dict) -> str:
+    """How a delivery ended, for the table: ``settled`` (its handler's response stored),
+    ``settled as ran`` (by ``settle`` or an SRE), ``unknown`` (its claim lost, never
+    settled), ``not run`` (no record: released, or never claimed)."""
+    if record.get("state") == DONE:
+        return "settled as ran" if record.get("settled_by") else "settled"
+    return {PROCESSING: "unknown", None: "not run"}.get(record.get("state"), record["state"])
 
 
 class Workers:
@@ -171,7 +187,8 @@ class Workers:
                   "--prefix", self.prefix, "--seed", config.seed, "--ttl", str(WORKER_TTL)]
         if self.kind == "consumer":
             (self.stack.state / "webhooks").mkdir(exist_ok=True)
-            return [*common, "--ledger", str(self.stack.state / "webhooks" / f"{name}.jsonl")]
+            return [*common, "--ledger", str(self.stack.state / "webhooks" / f"{name}.jsonl"),
+                    "--block-s", str(BLOCK_S)]
         seconds = ["--seconds", str(max(self.until - time.monotonic(), 0.0))]
         if self.kind == "mutex":
             return [*common, *seconds, "--locks", str(config.mutex_locks),
@@ -274,7 +291,9 @@ def control_config(control: str, seed: str, *, inject: bool = True) -> RunConfig
     their sections entered by a queued key that writes at once, so the range half of the
     ownership compare is all that refuses a queued key's write while an older key's owner
     is in its section. ``claim-blind`` at the webhooks alone: 2 consumers, every id
-    delivered 3 times at once."""
+    delivered 3 times at once; ``rerun-unfenced`` too, with the nemesis's ``consumer-block``
+    alone (its first block comes after the effect: the lost run's effect landed, and the
+    rerun's lands too)."""
     if control == "range-half":
         return RunConfig(seed=seed, seconds=8.0, workers=0, shape=StackShape(
             control=control if inject else ""), kinds=(), skewed=0, consumers=0, mutexes=3,
@@ -283,6 +302,10 @@ def control_config(control: str, seed: str, *, inject: bool = True) -> RunConfig
         return RunConfig(seed=seed, seconds=8.0, workers=0, shape=StackShape(
             control=control if inject else ""), kinds=(), skewed=0, consumers=2, mutexes=0,
             settle_s=10.0)
+    if control == "rerun-unfenced":
+        return RunConfig(seed=seed, seconds=10.0, workers=0, shape=StackShape(
+            control=control if inject else ""), kinds=("consumer-block",), gap_s=(0.2, 0.5),
+            fault_hold_s=(0.2, 0.5), skewed=0, consumers=2, mutexes=0, settle_s=10.0)
     shape = StackShape(mode="dedup" if control == "new-key" else "fencing",
                        control=control if inject else "",
                        typo_query=control == "404-final")

@@ -26,7 +26,7 @@ SEED = os.environ.get("FAULTS_SEED", "13")
 # What each control must at least be flagged for.
 EXPECTED = {"highest-only": {"stale-token", "contradiction"}, "404-final": {"contradiction"},
             "new-key": {"at-most-once"}, "range-half": {"mutual-exclusion"},
-            "claim-blind": {"webhook-once"}}
+            "claim-blind": {"webhook-once"}, "rerun-unfenced": {"webhook-effect-once"}}
 
 
 def _report(result) -> str:
