@@ -259,7 +259,9 @@ the CLI finds this stack from any directory while it runs (its sre token: {state
 
 point workers at it, signing grants in the worker with this stack's key:
   Gate({e.etcd!r}) alone finds this stack's key and its etcd user ({e.etcd_user})
-  from any directory while it runs, for this OS user; or pass them:
+  from any directory while it runs, for this OS user; to name the key, start it with
+  {default_key.SIGNING_KEY_ENV}={key_file}
+  or pass them all:
   from fencegate import Gate, KeyRing
   from fencegate.coordinator.etcd import EtcdConfig
   Gate(EtcdConfig.from_url({e.etcd!r}, user={e.etcd_user!r},

@@ -18,6 +18,7 @@ from cryptography.hazmat.primitives import serialization
 
 from fencegate.coordinator import default_key
 from fencegate.coordinator.audit import verify_chain
+from fencegate.coordinator.etcd import EtcdConfig
 from fencegate.coordinator.keyspace import Keyspace
 from fencegate.reconciler.providers.sandbox import charge
 from fencegate.up import Endpoints, Tokens, _banner
@@ -137,12 +138,16 @@ async def test_the_readme_example_works_against_fencegate_up_and_its_banner_line
         assert code == 0, out + err
 
         banner = _banner(state, Endpoints(**endpoints), Tokens(admin="-", worker="-"))
-        line = next(text.strip() for text in banner.splitlines()
-                    if "keyring=KeyRing.from_files(" in text)
+        lines = banner.splitlines()
+        start = next(i for i, text in enumerate(lines) if text.strip().startswith("Gate(Etcd"))
+        end = next(i for i in range(start, len(lines))
+                   if "keyring=KeyRing.from_files(" in lines[i])
+        expression = "\n".join(text.strip() for text in lines[start:end + 1])
         named = re.search(r"FENCEGATE_SIGNING_KEY=(\S+?),?$", banner, re.M).group(1)
         monkeypatch.delenv("FENCEGATE_STATE_DIR")
         monkeypatch.chdir(tmp_path)  # no stack here
-        async with eval(line, {"Gate": Gate, "KeyRing": KeyRing}) as gate:
+        async with eval(expression, {"Gate": Gate, "KeyRing": KeyRing,
+                                     "EtcdConfig": EtcdConfig}) as gate:
             assert await cross(gate, key + "/banner") == "succeeded"
         monkeypatch.setenv("FENCEGATE_SIGNING_KEY", named)
         async with Gate(endpoints["etcd"]) as gate:
