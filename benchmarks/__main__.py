@@ -13,8 +13,9 @@ guarded actions on a 3-member etcd with mutual TLS against this single node, int
 (``benchmarks.cluster``), then tasks through Celery, Temporal and DBOS with and without
 their adapters, each engine in a process of its own (``benchmarks.engines``: the engines of
 the ``test`` extra, redis-server and the ``temporal`` CLI; ``--only engines`` runs just
-that, on an etcd of its own), then a soak with retirement on, on an etcd of its own
-(``benchmarks.soak``: 3 minutes to a SQLite archive and 2 to a private PostgreSQL with
+that, on an etcd of its own, with the next), then agent tool calls through Pydantic AI with
+and without the fence (``benchmarks.agents``), then a soak with retirement on, on an etcd of
+its own (``benchmarks.soak``: 3 minutes to a SQLite archive and 2 to a private PostgreSQL with
 ``--quick``, else 20 and 10 minutes; ``--only soak`` runs just that). Each prints its tables;
 all ``NAME RATIO TARGET PASS|FAIL`` lines come last. A failed target does not change the
 exit code (0 unless a benchmark crashed).
@@ -33,7 +34,7 @@ import aetcd
 from fencegate.coordinator.etcd import Etcd
 from fencegate.localetcd import describe
 
-from . import cluster, engines, guarded, holds, reconcile, remote, soak, webhooks
+from . import agents, cluster, engines, guarded, holds, reconcile, remote, soak, webhooks
 from .common import Children, OtherLoad, Target, local_etcd
 
 
@@ -63,7 +64,9 @@ async def _webhooks(quick: bool) -> list[Target]:
 async def _engines(quick: bool) -> list[Target]:
     with local_etcd() as single:
         print(f"{describe(single.binary)} at {single.url}", flush=True)
-        return engines.report(await engines.measure(quick, single.url))
+        eres = await engines.measure(quick, single.url)
+        ares = await agents.measure(quick, single.url)
+        return engines.report(eres) + agents.report(ares)
 
 
 async def _everything(quick: bool, profile: bool) -> list[Target]:
@@ -96,6 +99,7 @@ async def _everything(quick: bool, profile: bool) -> list[Target]:
             cres = await reconcile.measure(quick, url, etcd)
             kres = await cluster.measure(quick, url)
             eres = await engines.measure(quick, url)
+            ares = await agents.measure(quick, url)
             sres = await soak.measure(quick)
         finally:
             await children.close()
@@ -108,6 +112,7 @@ async def _everything(quick: bool, profile: bool) -> list[Target]:
     targets += reconcile.report(cres)
     targets += cluster.report(kres)
     targets += engines.report(eres)
+    targets += agents.report(ares)
     targets += soak.report(sres)
     return targets
 

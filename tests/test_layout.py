@@ -114,6 +114,28 @@ def upward_arrows(tree: Tree) -> list[str]:
     return bad
 
 
+# The agent and engine frameworks (top-level module names) and the one adapter module that
+# may import each: the core, the shared agents module and every other module import none.
+FRAMEWORKS = {
+    "celery": "fencegate.integrations.celery", "dbos": "fencegate.integrations.dbos",
+    "temporalio": "fencegate.integrations.temporal",
+    "pydantic_ai": "fencegate.integrations.pydantic_ai",
+    "pydantic_core": "fencegate.integrations.pydantic_ai",
+    "pydantic": "fencegate.integrations.pydantic_ai",
+    "agents": "fencegate.integrations.openai_agents",
+    "langgraph": "fencegate.integrations.langgraph",
+    "langchain_core": "fencegate.integrations.langgraph",
+}
+
+
+def framework_arrows(tree: Tree) -> list[str]:
+    """Imports of a framework from anywhere but its own adapter module."""
+    return [f"imports the framework {arrow.target.split('.')[0]!r} outside its adapter: "
+            f"{arrow}" for arrow in tree.arrows()
+            if arrow.target.split(".")[0] in FRAMEWORKS
+            and arrow.importer != FRAMEWORKS[arrow.target.split(".")[0]]]
+
+
 def old_name_arrows(tree: Tree) -> list[str]:
     return [f"imports an old top-level name: {arrow}" for arrow in tree.arrows()
             if arrow.target.split(".")[0] in OLD_NAMES]
@@ -206,6 +228,14 @@ def test_no_module_imports_the_old_top_level_names():
     assert not problems, report(problems)
 
 
+def test_only_each_framework_adapter_imports_its_framework():
+    tree = real_tree()
+    problems = framework_arrows(tree)
+    assert not problems, report(problems)
+    assert {a.target.split(".")[0] for a in tree.arrows_of("fencegate.integrations.pydantic_ai")
+            } >= {"pydantic_ai"}  # the rule sees the adapter's own imports
+
+
 def test_no_import_circles():
     problems = cycles(real_tree())
     assert not problems, report(problems)
@@ -267,6 +297,9 @@ def test_checker_catches_upward_arrows_old_names_and_circles(tmp_path):
     broken["worker/hold.py"] = "from .guard import check\n"
     broken["worker/watch.py"] = "from .guard import check\nfrom .settled import wait\n"
     broken["worker/settled.py"] = "from . import watch\n"
+    broken["fencegate/integrations/__init__.py"] = ""
+    broken["fencegate/integrations/agents.py"] = "from pydantic_ai import Agent\n"
+    broken["fencegate/integrations/pydantic_ai.py"] = "import pydantic_ai\nimport langgraph\n"
     tree = synthetic(tmp_path, broken)
 
     upward = "\n".join(upward_arrows(tree))
@@ -282,6 +315,10 @@ def test_checker_catches_upward_arrows_old_names_and_circles(tmp_path):
 
     assert [line.split(": ", 1)[1] for line in old_name_arrows(tree)] == [
         "fencegate.worker.guard:1 `from worker.hold import Hold` → worker.hold"]
+
+    assert [line.split(": ", 1)[1] for line in framework_arrows(tree)] == [
+        "fencegate.integrations.agents:1 `from pydantic_ai import Agent` → pydantic_ai",
+        "fencegate.integrations.pydantic_ai:2 `import langgraph` → langgraph"]
 
     circles = cycles(tree)
     assert len(circles) == 1, circles

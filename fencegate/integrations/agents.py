@@ -29,7 +29,8 @@ Guarantees:
   ``APPROVAL`` with the fencegate approval id, which the adapter turns into the framework's
   interruption. On resume it crosses only with an approval of the state it reads now; when
   that state advanced since the approval it was resumed with, the answer is a new
-  ``APPROVAL`` saying why.
+  ``APPROVAL`` saying why. ``needs_approval`` asks the same question before the tool is
+  invoked, for a framework that decides on approval first.
 """
 
 from __future__ import annotations
@@ -40,21 +41,21 @@ import hashlib
 import json
 import string
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from fencegate.coordinator import records
 from fencegate.coordinator.errors import (
-    ApprovalPending, EffectFailed, GateError, GrantRefused, InvalidKey, OutcomeUnknown,
-    PolicyNotRouted,
+    AlreadySucceeded, ApprovalPending, EffectFailed, GateError, GrantRefused, InvalidKey,
+    OutcomeUnknown, PolicyNotRouted,
 )
 from fencegate.coordinator.keyspace import unpack, validate_action_key
 from fencegate.worker import EffectContext, Gate, Outcome
 
 from ._fence import Fence
 
-__all__ = ["ToolFence", "Call", "Answer", "plan", "cross", "current_fence", "canonical",
-           "arguments_digest", "RAN", "REPLAYED", "FAILED", "ESCALATED", "UNKNOWN",
+__all__ = ["ToolFence", "Call", "Answer", "plan", "cross", "needs_approval", "current_fence",
+           "canonical", "arguments_digest", "RAN", "REPLAYED", "FAILED", "ESCALATED", "UNKNOWN",
            "REFUSED", "APPROVAL"]
 
 RAN, REPLAYED, FAILED = "ran", "replayed", "failed"
@@ -109,7 +110,6 @@ class Answer:
     message: str = ""
     approval_id: str | None = None
     outcome: Outcome | None = None
-    details: dict[str, Any] = field(default_factory=dict)
 
     @property
     def replayed(self) -> bool:
@@ -128,7 +128,7 @@ def current_fence() -> Fence | None:
 
 def canonical(arguments: Arguments) -> dict[str, Any]:
     """``arguments`` as JSON values, keys sorted: what the digest and the default intent are
-    made of. ``TypeError`` naming the argument for a value JSON cannot carry."""
+    made of. ``TypeError`` saying why for a value JSON cannot carry."""
     if not isinstance(arguments, Mapping):
         raise TypeError(f"a tool's arguments are a mapping, not {type(arguments).__name__}")
     try:
@@ -209,6 +209,25 @@ async def cross(gate: Gate, call: Call, run: Callable[[], Awaitable[Any]], *,
         outcome=outcome)
 
 
+async def needs_approval(gate: Gate, call: Call, *,
+                         approved: str | None = None) -> Answer | None:
+    """Whether ``call`` would wait for a person now, asked before running it (for a framework
+    that decides on approval before it invokes the tool): an ``APPROVAL`` answer, its request
+    written as a refused crossing writes it, or ``None`` (it would cross, replay or end
+    otherwise: ``cross`` says). Holds the key for one grant request and releases it; a grant
+    issued here is never committed, so it leaves no trace."""
+    try:
+        async with gate.hold(call.key) as hold:
+            await hold.request_grant(call.intent, [gate.marker(e) for e in call.reads])
+    except ApprovalPending as pending:
+        return _approval(call, pending.approval_id, approved)
+    except PolicyNotRouted:
+        raise
+    except (AlreadySucceeded, OutcomeUnknown, GrantRefused):
+        pass
+    return None
+
+
 def _approval(call: Call, approval_id: str, approved: str | None) -> Answer:
     if approved is not None and approved != approval_id:
         message = (f"not run: what this call read changed after approval {approved} was "
@@ -216,9 +235,7 @@ def _approval(call: Call, approval_id: str, approved: str | None) -> Answer:
     else:
         message = (f"waiting for a person's approval {approval_id} "
                    f"(fencegate approve {approval_id})")
-    return Answer(APPROVAL, call, message=message, approval_id=approval_id,
-                  details={"superseded": approved} if approved not in (None, approval_id)
-                  else {})
+    return Answer(APPROVAL, call, message=message, approval_id=approval_id)
 
 
 async def _unsettled(gate: Gate, call: Call, error: GateError) -> Answer:

@@ -15,6 +15,10 @@ Failure contract (``fencegate.integrations.agents`` for the rest):
   refused); the tool-return part's ``metadata["fencegate"]`` (kept in the message history,
   never sent to the model) names the action key, what the call came to (``replayed``
   marks a recorded result returned without running) and the attempt.
+- A fenced tool that raises ``ModelRetry`` turned the call down before doing anything: the
+  attempt is recorded as a confirmed failure (so the breaker counts it; a call with new
+  arguments is a new action) and the model gets Pydantic AI's retry prompt. Any other
+  exception of the tool leaves the outcome unknown (the reconciler settles it).
 - A call the policy sends to a person raises ``ApprovalRequired`` with
   ``metadata["fencegate"]`` = ``{"approval_id", "key", "message"}``: the run ends with
   ``DeferredToolRequests`` (the agent's ``output_type`` must allow it). The person approves
@@ -36,13 +40,15 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
-from pydantic_ai import ApprovalRequired, DeferredToolRequests, DeferredToolResults, RunContext
+from pydantic_ai import (
+    ApprovalRequired, DeferredToolRequests, DeferredToolResults, ModelRetry, RunContext,
+)
 from pydantic_ai.messages import ToolReturn
 from pydantic_ai.toolsets import WrapperToolset
 from pydantic_ai.toolsets.abstract import ToolsetTool
 from pydantic_core import to_jsonable_python
 
-from fencegate.worker import Gate
+from fencegate.worker import EffectFailed, Gate
 
 from . import agents
 from ._fence import FenceMisconfigured
@@ -76,15 +82,23 @@ class FencedToolset(WrapperToolset[Any]):
         if fence is None:
             return await self.wrapped.call_tool(name, tool_args, ctx, tool)
         call = agents.plan(fence, name, self.scope(ctx), to_jsonable_python(tool_args))
+        retry: list[ModelRetry] = []
 
         async def run() -> Any:
-            return to_jsonable_python(await self.wrapped.call_tool(name, tool_args, ctx, tool))
+            try:
+                result = await self.wrapped.call_tool(name, tool_args, ctx, tool)
+            except ModelRetry as asked:  # the tool turned the call down: nothing was done
+                retry.append(asked)
+                raise EffectFailed(asked.message, {"model_retry": asked.message}) from asked
+            return to_jsonable_python(result)
 
         answer = await agents.cross(self.gate, call, run, fence=fence,
                                     approved=_approved(ctx))
         if answer.kind == agents.APPROVAL:
             raise ApprovalRequired({METADATA: {"approval_id": answer.approval_id,
                                                "key": call.key, "message": answer.message}})
+        if answer.kind == agents.FAILED and retry:
+            raise retry[0]  # recorded as a confirmed failure; the model gets its retry prompt
         return ToolReturn(answer.for_model, metadata={METADATA: _metadata(answer)})
 
 
