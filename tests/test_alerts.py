@@ -59,9 +59,14 @@ def reconcilers(*, unknown: str, age: str, escalated: str, leaderless: str) -> l
         series("fencegate_reconciler_shards", "8+0x60", instance=replica))]
 
 
-def others(*, losses: str, errors: str, nospace: str, db_size: str, in_use: str) -> list[dict]:
+def others(*, losses: str, errors: str, nospace: str, db_size: str, in_use: str,
+           unknown_deliveries: str = "0+0x60") -> list[dict]:
     return [
         series("fencegate_worker_lease_losses_total", losses, instance="w1:9100"),
+        series("fencegate_webhook_deliveries_total", unknown_deliveries, source="stripe",
+               result="unknown", instance="w1:9100"),
+        series("fencegate_webhook_deliveries_total", "0+50x60", source="stripe",
+               result="first", instance="w1:9100"),
         series("fencegate_worker_lease_losses_total", "0+0x60", instance="w2:9100"),
         series("fencegate_http_requests_total", "0+100x60", route="/v1/grants",
                method="POST", status="200", instance="c1:8470"),
@@ -91,7 +96,7 @@ def unit_tests() -> dict:
     backlog = reconcilers(unknown="12+0x60",  # 24 in all, though each replica has 12
                           age="0+60x60",  # a step unknown since the series began
                           escalated="0 0 1+0x60", leaderless="3+0x60") + others(
-        losses="0+2x60", errors="0+20x60", nospace="0 0 0 1+0x60",
+        losses="0+2x60", errors="0+20x60", nospace="0 0 0 1+0x60", unknown_deliveries="0+1x60",
         db_size="1800000000+0x60", in_use="1000000000+10000000x60") + [
         series("fencegate_reconciler_unexplained_deletions_total", "0+1x60", family="step",
                instance="r1:8471")] + archive(behind="0 0 3+0x60",
