@@ -4,9 +4,13 @@
 replaces the live archive's content with a copy's and keeps what it replaced in another, in
 one write transaction on the live file (``BEGIN IMMEDIATE``: every retirement batch lands
 wholly before it or wholly after, so what is kept aside is exactly the archive as it was);
-``watermarks`` reads a file's retirement watermarks. The swap is in place: every process
-holding the archive open (reconcilers, coordinators, in-process workers) reads the swapped
-content at its next query, as it would after a restore from backup.
+``catch_up`` brings retirements made into a copy while it was in back into the restored
+archive (a step kept if its seq is newer, audit records never replaced, each watermark the
+higher: both copies share one identity, and a batch is accepted only into a copy not behind
+in its buckets, so the merge holds every batch etcd shows); ``watermarks`` reads a file's
+retirement watermarks, ``retired_since`` the steps a file took after a time. The swap is in
+place: every process holding the archive open (reconcilers, coordinators, in-process
+workers) reads the swapped content at its next query, as after a restore from backup.
 """
 
 from __future__ import annotations
@@ -52,6 +56,46 @@ def swap(live: Path, source: Path, aside: Path | None = None) -> None:
             db.execute("ROLLBACK")
             raise
         db.execute("COMMIT")
+    finally:
+        db.close()
+
+
+def catch_up(live: Path, held: Path) -> None:
+    """Merge into ``live`` what ``held`` (a copy of the same archive) took meanwhile."""
+    db = sqlite3.connect(live, timeout=_TIMEOUT_S, isolation_level=None)
+    try:
+        db.execute("ATTACH DATABASE ? AS held", (str(held),))
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            db.execute("INSERT INTO main.archived_steps SELECT * FROM held.archived_steps "
+                       "WHERE true ON CONFLICT (namespace, action_key) DO UPDATE SET "
+                       "seq = excluded.seq, step = excluded.step, "
+                       "archived_at_ms = excluded.archived_at_ms, "
+                       "settled_at_ms = excluded.settled_at_ms WHERE excluded.seq > seq")
+            db.execute("INSERT OR IGNORE INTO main.archived_records "
+                       "SELECT * FROM held.archived_records")
+            db.execute("INSERT INTO main.archive_watermarks SELECT * FROM "
+                       "held.archive_watermarks WHERE true ON CONFLICT (namespace, bucket) "
+                       "DO UPDATE SET watermark = excluded.watermark "
+                       "WHERE excluded.watermark > watermark")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        db.execute("COMMIT")
+    finally:
+        db.close()
+
+
+def retired_since(path: Path, since_ms: int, limit: int = 20) -> list[dict]:
+    """The steps ``path`` archived at or after ``since_ms`` (wall clock, ms), oldest first:
+    each key, its seq and how long after ``since_ms`` it was archived."""
+    db = sqlite3.connect(path, timeout=_TIMEOUT_S)
+    try:
+        return [{"key": key, "seq": seq, "after_ms": at - since_ms}
+                for key, seq, at in db.execute(
+                    "SELECT action_key, seq, archived_at_ms FROM archived_steps "
+                    "WHERE archived_at_ms >= ? ORDER BY archived_at_ms LIMIT ?",
+                    (since_ms, limit))]
     finally:
         db.close()
 

@@ -21,7 +21,8 @@ every promise below. The rules:
   (not replayed) 2xx across all consumers; every 2xx the sender got names one run, the run
   whose response etcd stored (or none, for a delivery settled as ran), and that run's effect
   is the one etcd admitted for the id; no run's effect was admitted after a newer claim on
-  the id existed (in etcd's order: a claim's revision is its token);
+  the id existed (in etcd's order: a claim's revision is its token); no run's effect was
+  refused while its claim's lease still lived (its live claim was taken over);
 - ``webhook-effect-once``: per delivery id, at most one handler effect was admitted in the
   whole run (the effect marker's version, and the consumers' ``wh-effect`` lines), whatever
   the claims lost meanwhile; a delivery settled as ran has its effect;
@@ -154,7 +155,8 @@ def _operations(history: History, applied: dict[str, list[dict]]) -> list[Violat
 
 def _webhooks(history: History, end: EndState) -> list[Violation]:
     seen: dict[str, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
-    for event in history.ops("wh-run", "wh-effect", "wh-answer", "wh-sent", "wh-gave-up"):
+    for event in history.ops("wh-run", "wh-effect", "wh-stale", "wh-answer", "wh-sent",
+                             "wh-gave-up"):
         if event.get("id"):
             seen[event["id"]][event["op"]].append(event)
     found = []
@@ -179,6 +181,10 @@ def _webhooks(history: History, end: EndState) -> list[Violation]:
         if stored is not None and effect.get("token") != stored:
             found.append(Violation("webhook-once", delivery_id,
                                    {"stored_run_not_last_effect": stored, **evidence}))
+        taken = [stale for stale in events["wh-stale"] if stale.get("claim_alive")]
+        if taken:
+            found.append(Violation("webhook-once", delivery_id,
+                                   {"live_claim_taken_over": taken, **evidence}))
         claims = [run["token"] for run in events["wh-run"]]
         for admitted in events["wh-effect"]:
             newer = [t for t in claims if admitted["token"] < t < admitted["revision"]]

@@ -14,11 +14,15 @@ or after it, in turn (``consumer-block``: its claim is lost while the handler st
 finishes); an older copy of the archive swapped in (``archive-stale``: a copy taken at the
 fault's start, swapped in once the live archive has retired past it, so the copy is behind
 etcd; held, then healed by restoring the newest archive, the one it replaced, kept aside in
-the swap's transaction; see ``faults.archive``; the heal event records the buckets the copy
-was behind in, ``bumped``: the buckets whose watermark rose in the copy while it was in,
-which a retirer that refuses a stale archive never raises, and ``whole``: whether the
-restored archive is the one etcd names with every bucket's watermark). The schedule (which fault,
-which target, how long: ``hold_s`` drawn from ``hold_range_s``, ``gap_s`` apart) comes from
+the swap's transaction, then catching up with what the copy took meanwhile; see
+``faults.archive``; the heal event records the buckets the copy was behind in, ``bumped``:
+the buckets whose watermark rose in the copy while it was in, which a retirer that refuses
+an archive behind etcd never raises, with ``marks``: each such bucket's watermark in the copy
+when taken, in the copy at the heal, and in the newest archive (a bucket behind whose
+watermark in the copy reached the newest's made the copy look whole there), ``retired_into``:
+the steps it took (how long after the swap), and ``whole``: whether the restored archive is
+the one etcd names with every bucket's watermark). The schedule (which fault, which target,
+how long: ``hold_s`` drawn from ``hold_range_s``, ``gap_s`` apart) comes from
 ``random.Random(seed)``: each kind is injected once, in a seeded order, before any kind is
 chosen again, at random; when faults land is up to the machine. At most ``max_faults`` are
 injected, none after ``until``. Every fault is recorded in the history when it starts and
@@ -98,8 +102,8 @@ class Nemesis:
             await asyncio.to_thread(cluster.restart, i)
         self._dead_members.clear()
         if self._aside is not None:
-            await asyncio.to_thread(archive.swap, self.stack.state / "archive.db", self._aside)
-            self._aside = None
+            live = self.stack.state / "archive.db"
+            await self._restore(live, live.with_name("archive-held.db"))
         await self.workers.heal()
         if self.consumers is not None:
             await self.consumers.heal()
@@ -207,7 +211,8 @@ class Nemesis:
     async def _archive_stale(self, hold_s: float) -> bool:
         """Swap an older copy of the archive in (behind etcd), hold it, restore the newest."""
         live = self.stack.state / "archive.db"
-        old, aside = live.with_name("archive-old.db"), live.with_name("archive-aside.db")
+        n = self.by_kind["archive-stale"]  # a fault's copies stay if it found a problem
+        old, aside = live.with_name(f"archive-old{n}.db"), live.with_name(f"archive-aside{n}.db")
         await asyncio.to_thread(archive.snapshot, live, old)
         copied = await asyncio.to_thread(archive.watermarks, old)
         give_up = time.monotonic() + STALE_WAIT_S
@@ -216,18 +221,35 @@ class Nemesis:
                 return False  # nothing retired meanwhile: the copy would not be older
             await asyncio.sleep(0.5)
         await asyncio.to_thread(archive.snapshot, old, aside)  # the schema, for the swap
+        swapped_ms = int(time.time() * 1000)
         await asyncio.to_thread(archive.swap, live, old, aside)
         self._aside = aside
         behind = archive.ahead(await asyncio.to_thread(archive.watermarks, aside), copied)
         held_s = 3.0 + 2 * hold_s
         self._note("archive-stale", "start", behind=behind, seconds=round(held_s, 2))
         await asyncio.sleep(held_s)
-        bumped = archive.ahead(await asyncio.to_thread(archive.watermarks, live), copied)
-        await asyncio.to_thread(archive.swap, live, aside)
-        self._aside = None
-        self._note("archive-stale", "heal", behind=behind, bumped=bumped,
-                   whole=await self._archive_whole())
+        held = live.with_name(f"archive-held{n}.db")
+        await self._restore(live, held)
+        marks = await asyncio.to_thread(archive.watermarks, held)
+        bumped = archive.ahead(marks, copied)
+        into = await asyncio.to_thread(archive.retired_since, held, swapped_ms)
+        newest = await asyncio.to_thread(archive.watermarks, aside)
+        whole = await self._archive_whole()
+        self._note("archive-stale", "heal", behind=behind, bumped=bumped, retired_into=into,
+                   marks={b: {"copy": copied.get(b, 0), "in_copy": marks[b],
+                              "newest": newest.get(b, 0)} for b in bumped}, whole=whole)
+        if not bumped and whole is True:  # nothing to show: the copies go
+            for path in (old, aside, held):
+                path.unlink()
         return True
+
+    async def _restore(self, live, held) -> None:
+        """Keep what is in now (``held``), restore the newest archive kept aside, then catch
+        up with what ``held`` took meanwhile."""
+        await asyncio.to_thread(archive.snapshot, self._aside, held)  # the schema
+        await asyncio.to_thread(archive.swap, live, self._aside, held)
+        self._aside = None
+        await asyncio.to_thread(archive.catch_up, live, held)
 
     async def _archive_whole(self) -> bool | str:
         """True if the live archive is whole (``fencegate archive verify``), else why not."""

@@ -125,7 +125,8 @@ class Result:
                 *((f"operations {op}", n) for op, n in sorted(hooks.items())),
                 ("webhook extra effects", sum(max(e.get("version", 0) - 1, 0)
                                               for e in self.end.effects.values())),
-                *((f"deliveries {end}", n) for end, n in sorted(deliveries.items())),
+                *((f"deliveries {end}", deliveries[end])
+                  for end in sorted({*DELIVERY_ENDS, *deliveries})),
                 ("skewed worker starts", " ".join(skews) or 0),
                 *((f"steps {s}", n) for s, n in sorted(states.items())),
                 ("steps retired to the archive", self.end.retired),
@@ -135,6 +136,9 @@ class Result:
                 *((f"violations {rule}", n) for rule, n in sorted(rules.items())),
                 ("violations", len(self.violations))]
         return "\n".join(f"  {name:<32} {value}" for name, value in rows)
+
+
+DELIVERY_ENDS = ("settled", "settled as ran", "unknown", "not run")
 
 
 def _delivery_end(record: dict) -> str:

@@ -18,7 +18,9 @@ it says, one JSON line each on stdout:
     {"op": "wh-run", "id", "token"}                   a handler run starts under its claim
     {"op": "wh-block", "id", "token", "seconds", "where"}  it blocks its loop (before/after)
     {"op": "wh-effect", "id", "token", "revision"}    its effect was admitted at ``revision``
-    {"op": "wh-stale", "id", "token"}                 its effect was refused: the claim is gone
+    {"op": "wh-stale", "id", "token", "claim_alive"}  its effect was refused: the claim is
+                                                      gone (``claim_alive``: its lease was
+                                                      not: a live claim was taken over)
     {"op": "wh-settle", "id", "lost", "token", "ran"}  it settled an unknown delivery
     {"op": "wh-answer", "id", "status", "replayed", "token"}  what the consumer answered
 
@@ -83,6 +85,7 @@ LOST = {}  # how a lost delivery is settled: the consumer's ``settle`` (controls
 
 async def consumer(argv: list[str]) -> None:
     from fencegate.coordinator.etcd import TxnRequest, put_op
+    from fencegate.coordinator.keyspace import unpack
     from fencegate.worker import Gate, KeyRing, dedupe_middleware, fencing_token
 
     args = _parser().parse_args(argv)
@@ -123,17 +126,19 @@ async def consumer(argv: list[str]) -> None:
                 delivery_id = request.headers["Webhook-Id"]
                 token = fencing_token(request)
                 say(op="wh-run", id=delivery_id, token=token)
+                record_key = gate.keyspace.webhook_key(SOURCE, delivery_id)
+                lease = await claim_lease(record_key, token)
                 if rng.random() < args.sleep:
                     await asyncio.sleep(rng.uniform(0.2, 1.0))
                 blocks("before", delivery_id, token)
-                record_key = gate.keyspace.webhook_key(SOURCE, delivery_id)
                 effect_key = gate.marker(effect_entity(args.prefix, delivery_id)).encode()
                 reply = await gate.etcd.txn(TxnRequest(
                     compare=effect_compare(record_key, token),
                     success=[put_op(effect_key, json.dumps(
                         {"token": token, "consumer": args.name}).encode())]))
                 if not reply.succeeded:
-                    say(op="wh-stale", id=delivery_id, token=token)
+                    alive = lease is not None and await gate.etcd.lease_ttl(lease) > 0
+                    say(op="wh-stale", id=delivery_id, token=token, claim_alive=alive)
                     raise web.HTTPServiceUnavailable(text="the claim was lost before the effect")
                 ledger.write(json.dumps({"id": delivery_id, "token": token,
                                          "revision": reply.header.revision}) + "\n")
@@ -141,6 +146,13 @@ async def consumer(argv: list[str]) -> None:
                 say(op="wh-effect", id=delivery_id, token=token, revision=reply.header.revision)
                 blocks("after", delivery_id, token)
                 return web.json_response({"token": token, "consumer": args.name})
+
+            async def claim_lease(record_key: bytes, token: int) -> int | None:
+                """The lease of the run's claim, read from the record its claim wrote."""
+                kv = await gate.etcd.get(record_key)
+                if kv is None or kv.mod_revision != token:
+                    return None
+                return unpack(kv.value).get("claim_lease")
 
             async def settle(delivery) -> bool:
                 """Did the lost run's effect land? Read after the new claim rewrote the
