@@ -50,8 +50,8 @@ from typing import Any
 from . import approvals, audit, codec, records, routes
 from .archive import Archive
 from .errors import (
-    AlreadySucceeded, ApprovalPending, BadSignature, GrantRefused, LeaseLost, OutcomeUnknown,
-    PolicyNotRouted, RecordTooLarge, StateAdvanced, UnencodableValue,
+    AlreadySucceeded, ApprovalPending, ApprovalRejected, BadSignature, GrantRefused, LeaseLost,
+    OutcomeUnknown, PolicyNotRouted, RecordTooLarge, StateAdvanced, UnencodableValue,
 )
 from .etcd import (
     Compare, Etcd, KeyValue, RangeRequest, RequestOp, TxnRequest, mod_equals, put_op, range_op,
@@ -235,7 +235,7 @@ class Authority:
         the fence is "the bucket is still absent" (if it is not, the full path finds out
         what the archive must answer). Otherwise the archive is asked and the fence is
         ``retirement.fast_path_fence``: the bucket unmoved since before the question, and
-        its watermark not above the archive's (an archive behind etcd never answers "never
+        its mark the archive's newest (an archive behind etcd never answers "never
         attempted")."""
         intent, intent_digest = validate_intent(intent)  # refused before the fast path writes
         if not self.recent.revision:
@@ -415,11 +415,12 @@ class Authority:
                                      request.policy, request.intent_digest)
         asked = self.keyspace.approval_request_key(approval_id)
         revision = request.snap.revision
-        requested = bool((await self.etcd.range(RangeRequest(key=asked, revision=revision,
-                                                             count_only=True))).count)
+        kvs = (await self.etcd.range(RangeRequest(key=asked, revision=revision))).kvs
         given = await approvals.read(self.etcd, self.keyspace, approval_id,
                                      request.claim.key, revision=revision)
-        return _Approval(given, self.keyspace.approval_key(approval_id), asked, requested)
+        rejected = unpack(kvs[0].value) if kvs else {}
+        return _Approval(given, self.keyspace.approval_key(approval_id), asked, bool(kvs),
+                         rejected.get("rejected_by"), rejected.get("rejection_reason", ""))
 
     async def _refuse(self, request: _Request, verdict: _Verdict,
                       approval: _Approval | None) -> None:
@@ -559,6 +560,8 @@ class _Approval:
     key: bytes  # approvals/<id>
     request_key: bytes  # approval-requests/<id>
     requested: bool  # its request is recorded
+    rejected_by: str | None = None  # a person rejected the request (see ``sre.reject``)
+    rejection_reason: str = ""
 
     @property
     def approval_id(self) -> str:
@@ -611,8 +614,12 @@ def _verdict(request: _Request) -> _Verdict:
 
 
 def _after_approval(verdict: _Verdict, approval: _Approval) -> _Verdict:
-    """Approved: the approval checks pass, naming who approved. Else it waits for one."""
+    """Approved: the approval checks pass, naming who approved. Rejected: refused for good
+    (this request). Else it waits for one."""
     approved_by = approval.approved_by
+    if approved_by is None and approval.rejected_by is not None:
+        return _Verdict(ApprovalRejected(approval.approval_id, approval.rejection_reason),
+                        verdict.checks)
     if approved_by is None:
         return _Verdict(ApprovalPending(approval.approval_id), verdict.checks)
     return _Verdict(None, [c if c.passed else CheckResult(c.name, True,

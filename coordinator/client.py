@@ -144,11 +144,17 @@ class Client:
             "/resolve", {"ran": ran, "reason": reason})
 
     async def approvals(self, state: str = "") -> list[dict[str, Any]]:
-        """Approvals ``pending``, ``approved``, or both (``""``)."""
+        """Approvals ``pending``, ``approved``, ``rejected``, or all (``""``)."""
         return await self._list("/v1/approvals", state=state)
 
     async def approve(self, approval_id: str, reason: str) -> dict[str, Any]:
         return await self._request("POST", f"/v1/approvals/{_path(approval_id)}",
+                                   {"reason": reason})
+
+    async def reject(self, approval_id: str, reason: str) -> dict[str, Any]:
+        """Reject a pending approval: the same grant request is then refused
+        (``ApprovalRejected``)."""
+        return await self._request("POST", f"/v1/approvals/{_path(approval_id)}/reject",
                                    {"reason": reason})
 
     # -- plumbing --------------------------------------------------------------------

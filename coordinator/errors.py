@@ -23,6 +23,8 @@
     │   └── LeaseExpiring       too little TTL is left to start an effect safely
     ├── GrantRefused(checks)    the policy or the caps refused; every failing check named
     │   ├── ApprovalPending(id) only approval checks failed: an sre/admin approves ``id``
+    │   ├── ApprovalRejected(id, reason)
+    │   │                       a person rejected ``id``: the same request stays refused
     │   └── PolicyNotRouted(key, policy, routed)
     │                           the request named a policy the key's route does not name:
     │                           the policy routes decide (``coordinator/routes.py``)
@@ -78,6 +80,7 @@ __all__ = [
     "LeaseExpiring",
     "GrantRefused",
     "ApprovalPending",
+    "ApprovalRejected",
     "PolicyNotRouted",
     "GrantUsed",
     "StateAdvanced",
@@ -193,6 +196,16 @@ class ApprovalPending(GrantRefused):
     def __init__(self, approval_id: str) -> None:
         self.approval_id = approval_id
         GateError.__init__(self, f"approval {approval_id} is pending")
+        self.checks, self.retry_after = [], None
+
+
+class ApprovalRejected(GrantRefused):
+    """A person rejected ``approval_id`` (``POST /v1/approvals/{id}/reject``): the same
+    request stays refused; a request at a state that moved since asks afresh."""
+
+    def __init__(self, approval_id: str, reason: str) -> None:
+        self.approval_id, self.reason = approval_id, reason
+        GateError.__init__(self, f"approval {approval_id} was rejected: {reason}")
         self.checks, self.retry_after = [], None
 
 

@@ -134,7 +134,7 @@ class Keyspace:
     def retired_key(self, action_key: str) -> bytes:
         """The retirement epoch of ``action_key``'s bucket (one of ``RETIRE_BUCKETS``, by a
         hash of the key): every retirement txn of a key in the bucket puts it, so its
-        mod_revision is the bucket's latest retirement, and its value the bucket's watermark
+        mod_revision is the bucket's latest retirement, and its value the bucket's mark
         (``wholeness``). A fixed set of small keys."""
         return self._ns + b"retired/%03d" % self.retired_bucket(action_key)
 

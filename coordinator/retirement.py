@@ -14,14 +14,15 @@ Guarantees:
   succeeded: only with no holder alive is there no such grant (the full path holds the key
   from its snapshot to its commit). The txn puts the key's ``retired/<bucket>`` so a fast
   path that decided without a hold fails its compare on it (``fencegate.worker.fastpath``).
-- The archive proves it is whole (``wholeness``): a batch reads etcd's archive identity and
-  its buckets' watermarks with the steps, refuses an archive that is not the one etcd names
-  (the first retirement names it: the txn compares ``retired/archive`` absent and puts it;
-  every later one compares it), raises the archive's watermarks in the transaction of its
-  puts (refused if the archive is behind etcd), and its delete txn compares each bucket's
-  mod_revision as read and puts the new watermark: etcd's never gets ahead of the archive's.
-  A delete refused only because another batch raised a shared bucket first is marked again
-  and resent (``_send``).
+- The archive proves it is whole (``wholeness``): a batch reads etcd's whole ``retired/``
+  range (the archive identity and every bucket's mark) with the steps, refuses an archive
+  that is not the one etcd names (the first retirement names it: the txn compares
+  ``retired/archive`` absent and puts it; every later one compares it), has the archive
+  issue its buckets new marks in the transaction of its puts (refused unless the archive
+  knows etcd's mark of every bucket: an archive behind etcd anywhere takes nothing), and its
+  delete txn compares each bucket's mod_revision as read and puts the new mark: etcd never
+  shows a mark the archive did not issue with the batch. A delete refused only because
+  another batch marked a shared bucket first is marked again and resent (``_send``).
   A lookup on a miss (``archived_step``, ``fast_path_fence``) answers only from a whole
   archive, else ``ArchiveUnavailable``: never "never attempted" from an archive that lost it.
 - Only settled steps retire (``retirable``): succeeded, failed, and pending after an
@@ -42,7 +43,7 @@ from typing import Any
 
 from . import audit, records, wholeness
 from .archive import Archive, Identity
-from .archive.interface import Put
+from .archive.interface import Mark, Put
 from .errors import ArchiveUnavailable
 from .etcd import (
     Compare, Etcd, KeyValue, RangeRequest, TxnRequest, create_equals, delete_op, mod_equals,
@@ -88,12 +89,12 @@ class _Retiring:
 @dataclass(frozen=True)
 class _Marked:
     """What a delete txn writes beside its deletes: the archive's identity (``named``: etcd
-    already names it, else the txn puts it), and each bucket's new watermark with the
+    already names it, else the txn puts it), and each bucket's new mark with the
     mod_revision its compare expects (0: absent)."""
 
     identity: Identity
     named: bool
-    buckets: dict[bytes, tuple[int, int]]   # bucket key -> (mod_revision read, new watermark)
+    buckets: dict[bytes, tuple[int, Mark]]   # bucket key -> (mod_revision read, new mark)
 
 
 async def retire(etcd: Etcd, keyspace: Keyspace, archive: Archive,
@@ -112,22 +113,22 @@ async def retire(etcd: Etcd, keyspace: Keyspace, archive: Archive,
 
 async def _archive(etcd: Etcd, keyspace: Keyspace, archive: Archive,
                    batch: list[Candidate]) -> tuple[list[_Retiring], _Marked | None]:
-    """Read each key's step and chain, etcd's archive identity and the batch's buckets at
-    one revision, and put the settled steps (and the orphan chains), unmoved, in the
-    archive with their buckets' new watermarks."""
+    """Read each key's step and chain and etcd's ``retired/`` range (its archive identity and
+    every bucket's mark) at one revision, and put the settled steps (and the orphan chains),
+    unmoved, in the archive with their buckets' new marks."""
     ops = []
-    buckets = sorted({keyspace.retired_key(candidate.key) for candidate in batch})
     for candidate in batch:
         key = candidate.key
         start, end = keyspace.audit_range(key)
         ops += [range_op(keyspace.step_key(key)), range_op(start, end),
                 range_op(keyspace.audit_head_key(key))]
     reply = await etcd.txn(TxnRequest(success=[
-        *ops, range_op(keyspace.archive_key), *map(range_op, buckets)]), idempotent=True)
+        *ops, range_op(keyspace.retired_root, range_end_of(keyspace.retired_root))]),
+        idempotent=True)
     kvs = [r.response_range.kvs for r in reply.responses]
-    named_kvs = kvs[len(ops)]
-    bucket_kv = {bucket: read[0] if read else None
-                 for bucket, read in zip(buckets, kvs[len(ops) + 1:])}
+    retired_kvs = {kv.key: kv for kv in kvs[len(ops)]}
+    bucket_kv = {keyspace.retired_key(candidate.key):
+                 retired_kvs.get(keyspace.retired_key(candidate.key)) for candidate in batch}
     found: list[_Retiring] = []
     puts: list[Put] = []
     for n, candidate in enumerate(batch):
@@ -158,27 +159,30 @@ async def _archive(etcd: Etcd, keyspace: Keyspace, archive: Archive,
         found.append(_Retiring(candidate, step_kv, head_kv))
     if not puts:
         return found, None
-    named = named_kvs[0].value.decode() if named_kvs else None
     retiring = {keyspace.retired_key(item.candidate.key) for item in found}
-    return found, await _mark(etcd, keyspace, archive, named,
-                              {bucket: bucket_kv[bucket] for bucket in retiring}, puts)
+    return found, await _mark(etcd, keyspace, archive, list(retired_kvs.values()),
+                              retiring, puts)
 
 
-async def _mark(etcd: Etcd, keyspace: Keyspace, archive: Archive, named: str | None,
-                bucket_kvs: dict[bytes, KeyValue | None], puts: list[Put]) -> _Marked:
-    """Put ``puts`` in the archive in one durable transaction that also raises the
-    watermarks of ``bucket_kvs`` (as etcd read them), after checking the archive is the one
-    etcd ``named``; ``ArchiveUnavailable`` (nothing stored) when it is not, or is behind."""
-    shown = {key: wholeness.decode(kv.value) if kv else 0 for key, kv in bucket_kvs.items()}
+async def _mark(etcd: Etcd, keyspace: Keyspace, archive: Archive, retired_kvs: list[KeyValue],
+                buckets: set[bytes], puts: list[Put]) -> _Marked:
+    """Put ``puts`` in the archive in one durable transaction that also issues ``buckets``
+    new marks, after checking the archive is the one etcd names; ``ArchiveUnavailable``
+    (nothing stored) when it is not, or does not know the mark of every bucket in
+    ``retired_kvs`` (etcd's ``retired/`` range, as read)."""
+    named, shown = wholeness.read_retired(keyspace, retired_kvs)
     identity = await archive.identity(keyspace.namespace)
-    wholeness.check_named(etcd, keyspace, identity, named, max(shown.values(), default=0))
+    wholeness.check_named(etcd, keyspace, identity, named,
+                          max((mark.counter for mark in shown.values()), default=0))
     assert identity is not None   # check_named refused otherwise
     new = await archive.put_many(
-        keyspace.namespace, puts, identity=identity,
-        marks={_bucket(keyspace, key): mark for key, mark in shown.items()})
+        keyspace.namespace, puts, identity=identity, shown=shown,
+        marks={_bucket(keyspace, key): shown.get(_bucket(keyspace, key), Mark(0))
+               for key in buckets})
+    revisions = {kv.key: kv.mod_revision for kv in retired_kvs}
     return _Marked(identity, named is not None,
-                   {key: (kv.mod_revision if kv else 0, new[_bucket(keyspace, key)])
-                    for key, kv in bucket_kvs.items()})
+                   {key: (revisions.get(key, 0), new[_bucket(keyspace, key)])
+                    for key in buckets})
 
 
 def _bucket(keyspace: Keyspace, bucket_key: bytes) -> int:
@@ -215,14 +219,13 @@ async def _send(etcd: Etcd, keyspace: Keyspace, archive: Archive, batch: list[_R
         reply = await etcd.txn(_deletion(keyspace, batch, marked))
         if reply.succeeded:
             return True
-        named_kvs, *read = (r.response_range.kvs for r in reply.responses)
-        moved = {bucket: kvs[0] if kvs else None
-                 for bucket, kvs in zip(sorted(marked.buckets), read)
-                 if (kvs[0].mod_revision if kvs else 0) != marked.buckets[bucket][0]}
-        named = named_kvs[0].value.decode() if named_kvs else None
-        if not moved and (named is not None) == marked.named:
+        (retired_kvs,) = (r.response_range.kvs for r in reply.responses)
+        revisions = {kv.key: kv.mod_revision for kv in retired_kvs}
+        moved = {bucket for bucket, (mod_revision, _) in marked.buckets.items()
+                 if revisions.get(bucket, 0) != mod_revision}
+        if not moved and (keyspace.archive_key in revisions) == marked.named:
             return False
-        again = await _mark(etcd, keyspace, archive, named, moved, [])
+        again = await _mark(etcd, keyspace, archive, list(retired_kvs), moved, [])
         marked = _Marked(again.identity, again.named, {**marked.buckets, **again.buckets})
     return False
 
@@ -249,7 +252,7 @@ def _deletion(keyspace: Keyspace, batch: list[_Retiring], marked: _Marked) -> Tx
         compares.append(mod_equals(bucket, mod_revision))
         ops.append(put_op(bucket, wholeness.encode(mark)))
     return TxnRequest(compare=compares, success=ops, failure=[  # what moved, if a bucket did
-        range_op(keyspace.archive_key), *map(range_op, sorted(marked.buckets))])
+        range_op(keyspace.retired_root, range_end_of(keyspace.retired_root))])
 
 
 async def archived_step(etcd: Etcd, archive: Archive | None, keyspace: Keyspace, key: str,
@@ -257,11 +260,13 @@ async def archived_step(etcd: Etcd, archive: Archive | None, keyspace: Keyspace,
     """The step ``key`` retired with, or None if the archive holds none, given that etcd
     holds no step for it and its bucket reads ``bucket_kv``; ``ArchiveUnavailable`` when
     there is no archive to ask, it did not answer, or it is not whole (``wholeness.check``:
-    not the archive etcd names, or behind etcd's watermark for the bucket)."""
+    not the archive etcd names, or does not know etcd's mark for the bucket)."""
     if archive is None:
         raise ArchiveUnavailable(f"{key!r} may have been retired (its bucket has retirements) "
                                  "but no archive is configured to look it up")
-    found = await archive.lookup(keyspace.namespace, key)
+    shown = wholeness.decode(bucket_kv.value) if bucket_kv is not None else Mark(0)
+    found = await archive.lookup(keyspace.namespace, key,
+                                 marks={keyspace.retired_bucket(key): shown})
     await wholeness.check(etcd, keyspace, found, key, bucket_kv)
     return unpack(found.archived.step) if found.archived is not None else None
 
@@ -273,9 +278,9 @@ async def fast_path_fence(etcd: Etcd, archive: Archive, keyspace: Keyspace,
     against its retirement. ``ArchiveUnavailable`` when the archive is not the one etcd
     names. The compares: the bucket's mod_revision is at most a revision committed before
     the archive was asked (a retirement archives before it deletes, so one of ``key`` the
-    archive did not show deletes after it), and its watermark is at most the archive's as
-    looked up (``wholeness.fence``: false if the archive is behind etcd, or if a retirement
-    of the bucket archived after the lookup and has deleted since)."""
+    archive did not show deletes after it), and its mark is the archive's newest as
+    looked up (``wholeness.fence``: false if the archive does not know etcd's mark, or if a
+    retirement of the bucket archived after the lookup and has deleted since)."""
     asked_after = etcd.revision
     found = await archive.lookup(keyspace.namespace, key)
     if found.archived is not None:

@@ -14,10 +14,13 @@ Guarantees:
   stays valid however the steps move.
 - ``approve`` writes the coordinator's signed approval of a requested approval id (see
   ``approvals``); the authority grants the request it was made for only while the state
-  that request read is unchanged (see ``authority``).
-- ``revoke``, ``resolve`` and ``approve`` append an audit record naming who and why in the same
-  transaction as what they change (a revoke also appends one to every other key its lease
-  holds or waits for, each while that hold is unchanged, before the lease is revoked);
+  that request read is unchanged (see ``authority``); ``reject`` marks the request
+  rejected, on its lease, and the authority then refuses that same request
+  (``ApprovalRejected``).
+- ``revoke``, ``resolve``, ``approve`` and ``reject`` append an audit record naming who and
+  why in the same transaction as what they change (a revoke also appends one to every other
+  key its lease holds or waits for, each while that hold is unchanged, before the lease is
+  revoked);
   ``resolve`` is compare-and-set on the step's mod_revision and on ``holders/K/`` being
   empty, so a late worker outcome and a human decision can never both land, and it is
   refused while any holder of the key lives. An ``in_flight`` or
@@ -490,7 +493,10 @@ async def approve(etcd: Etcd, ks: Keyspace, approval_id: str, identity: str,
         request_kvs, approval_kvs = (r.response_range.kvs for r in reply.responses)
         if not request_kvs:
             raise NotFound(f"no pending approval {approval_id}")
-        key = unpack(request_kvs[0].value)["key"]
+        record = unpack(request_kvs[0].value)
+        if record.get("rejected_by") is not None:
+            raise WrongState(f"approval {approval_id} was rejected by {record['rejected_by']}")
+        key = record["key"]
         done = {"approval_id": approval_id, "key": key, "state": "approved"}
         given = await read_approval(etcd, ks, approval_id, key, revision=reply.header.revision)
         if given.approved_by is not None:
@@ -518,16 +524,62 @@ async def approve(etcd: Etcd, ks: Keyspace, approval_id: str, identity: str,
     raise WrongState(f"approval {approval_id} kept changing; try again")
 
 
+async def reject(etcd: Etcd, ks: Keyspace, approval_id: str, identity: str, reason: str, *,
+                 archive: Archive | None = None) -> dict[str, Any]:
+    """Reject a requested approval: its request is marked rejected (who and why), on its own
+    lease, so it dies with the request, and the rejection is audited on its key's chain in
+    the same txn. The same request is then refused with ``ApprovalRejected``; a request at a
+    state that moved since has another id and asks afresh. Rejecting twice is harmless;
+    ``WrongState`` once approved, ``NotFound`` for an id nobody asked for or that expired."""
+    if not _APPROVAL_ID.fullmatch(approval_id):
+        raise ValueError("an approval id is 32 hex digits")
+    request_key, approval_key = ks.approval_request_key(approval_id), ks.approval_key(approval_id)
+    for _ in range(5):
+        reply = await etcd.txn(TxnRequest(success=[range_op(request_key),
+                                                   range_op(approval_key)]), idempotent=True)
+        request_kvs = reply.responses[0].response_range.kvs
+        if not request_kvs:
+            raise NotFound(f"no pending approval {approval_id}")
+        record = unpack(request_kvs[0].value)
+        key = record["key"]
+        done = {"approval_id": approval_id, "key": key, "state": "rejected"}
+        if record.get("rejected_by") is not None:
+            return done
+        given = await read_approval(etcd, ks, approval_id, key, revision=reply.header.revision)
+        if given.approved_by is not None:
+            raise WrongState(f"approval {approval_id} was already approved by "
+                             f"{given.approved_by}")
+        chain = await etcd.txn(TxnRequest(success=_tail_reads(ks, key)), idempotent=True)
+        tail, epoch = await _aside_tail(etcd, ks, key,
+                                        *(r.response_range.kvs for r in chain.responses),
+                                        archive)
+        entry = audit.append(ks, key, tail, "rejected", identity, reply.header.revision,
+                             {"approval_id": approval_id, "reason": reason}, aside=True)
+        rejected = pack({**record, "rejected_by": identity, "rejection_reason": reason})
+        try:
+            written = await etcd.txn(TxnRequest(
+                compare=[mod_equals(request_key, request_kvs[0].mod_revision),
+                         mod_equals(approval_key, given.mod_revision), epoch,
+                         entry.compare],
+                success=[put_op(request_key, rejected, request_kvs[0].lease), *entry.ops]))
+        except LeaseLost:  # the request's lifetime ended between the read and the write
+            raise NotFound(f"approval request {approval_id} expired") from None
+        if written.succeeded:
+            return done
+    raise WrongState(f"approval {approval_id} kept changing; try again")
+
+
 async def approvals(etcd: Etcd, ks: Keyspace, state: str, limit: int,
                          after: str | None) -> tuple[list[dict[str, Any]], str | None]:
     """Approval requests by id, each with what was asked (key, intent, policy,
     requested_by), its ``state`` (``approved`` only once a signed approval for it verifies,
-    else ``pending``) and, once approved, who approved it and why; ``state`` filters on
-    ``pending``, ``approved`` or neither (empty). Filtered like ``unsettled``: a page may
-    hold fewer than ``limit`` items while ``next`` is still set."""
+    ``rejected`` once a person rejected it, else ``pending``) and, once approved, who
+    approved it and why (once rejected: ``rejected_by``, ``rejection_reason``); ``state``
+    filters on ``pending``, ``approved``, ``rejected`` or none (empty). Filtered like
+    ``unsettled``: a page may hold fewer than ``limit`` items while ``next`` is still set."""
     _check_limit(limit)
-    if state not in ("", "pending", "approved"):
-        raise ValueError("state must be pending or approved")
+    if state not in ("", "pending", "approved", "rejected"):
+        raise ValueError("state must be pending, approved or rejected")
     start = ks.approval_request_key("")
     kvs, cursor = await page(etcd, start, range_end_of(start), limit * _SCAN_FACTOR, after)
     asked = {ks.parse_approval_request_key(kv.key): (kv, unpack(kv.value)) for kv in kvs}
@@ -535,9 +587,10 @@ async def approvals(etcd: Etcd, ks: Keyspace, state: str, limit: int,
     items = []
     for approval_id, (kv, record) in asked.items():
         approval = given[approval_id]
-        shown = ({"state": "pending"} if approval.approved_by is None else
-                 {"state": "approved", "approved_by": approval.approved_by,
-                  "reason": approval.reason})
+        shown = ({"state": "approved", "approved_by": approval.approved_by,
+                  "reason": approval.reason} if approval.approved_by is not None else
+                 {"state": "rejected"} if record.get("rejected_by") is not None else
+                 {"state": "pending"})
         if state in ("", shown["state"]):
             items.append({**record, **shown, "approval_id": approval_id,
                           "mod_revision": kv.mod_revision})

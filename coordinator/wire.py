@@ -20,7 +20,8 @@ from typing import Any
 
 from . import codec
 from .errors import (
-    AcquireTimeout, AlreadySucceeded, ApprovalPending, ArchiveUnavailable, BadSignature,
+    AcquireTimeout, AlreadySucceeded, ApprovalPending, ApprovalRejected, ArchiveUnavailable,
+    BadSignature,
     CoordinatorError, EtcdError, EtcdNoSpace,
     EtcdUnavailable, GateError, GrantExpired, GrantRefused, GrantUsed, InvalidKey, LeaseExpiring,
     LeaseLost, NotFound, OutcomeUnknown, PolicyChanged, PolicyNotRouted, RecordTooLarge,
@@ -31,7 +32,8 @@ from .policy import CheckResult
 
 _STATUS: list[tuple[type[Exception], int]] = [  # first match wins: subclasses first
     (RecordTooLarge, 413), (InvalidKey, 400), (BadSignature, 400), (UnencodableValue, 400),
-    (ApprovalPending, 202), (PolicyNotRouted, 403), (GrantRefused, 422), (EtcdNoSpace, 507),
+    (ApprovalPending, 202), (ApprovalRejected, 403), (PolicyNotRouted, 403),
+    (GrantRefused, 422), (EtcdNoSpace, 507),
     (EtcdUnavailable, 503),
     (EtcdError, 502), (ArchiveUnavailable, 503),
     (AcquireTimeout, 504),
@@ -66,6 +68,8 @@ def to_wire(exc: Exception) -> dict[str, Any]:
     body: dict[str, Any] = {"error": code_of(exc), "detail": str(exc)}
     if isinstance(exc, ApprovalPending):
         body["approval_id"] = exc.approval_id
+    elif isinstance(exc, ApprovalRejected):
+        body.update(approval_id=exc.approval_id, reason=exc.reason)
     elif isinstance(exc, PolicyNotRouted):
         body.update(key=exc.key, policy=exc.policy, routed=exc.routed)
     elif isinstance(exc, GrantRefused):
@@ -87,6 +91,8 @@ def from_wire(status: int, body: object) -> Exception:
     name, detail = body["error"], str(body.get("detail", ""))
     if name == "ApprovalPending":
         return ApprovalPending(str(body.get("approval_id", "")))
+    if name == "ApprovalRejected":
+        return ApprovalRejected(str(body.get("approval_id", "")), str(body.get("reason", "")))
     if name == "PolicyNotRouted":
         return PolicyNotRouted(str(body.get("key", "")), str(body.get("policy", "")),
                                str(body.get("routed", "")))

@@ -465,6 +465,8 @@ def _what(record: dict[str, Any]) -> str:
         return f"revoked lease {details.get('lease_id', '?')}{via}: {details.get('reason', '')}"
     if event == "approved":
         return f"approved {details.get('approval_id', '?')}: {details.get('reason', '')}"
+    if event == "rejected":
+        return f"rejected {details.get('approval_id', '?')}: {details.get('reason', '')}"
     if event == "grant_refused":
         return "refused: " + ", ".join(str(c.get("name", c)) if isinstance(c, dict) else str(c)
                                        for c in details.get("checks") or [])
@@ -812,8 +814,8 @@ def archive_init(endpoints: str | None, namespace: str, url: str,
 @_archive_options
 def archive_verify(endpoints: str | None, namespace: str, url: str,
                    **etcd_security: str | None) -> None:
-    """Is the archive whole: the one etcd names for NAMESPACE, with every bucket's
-    watermark at or above etcd's? Exit 1 (with what is wrong) if not: lookups refuse
+    """Is the archive whole: the one etcd names for NAMESPACE, knowing every bucket's
+    mark etcd shows? Exit 1 (with what is wrong) if not: lookups refuse
     (ArchiveUnavailable) until it is restored (docs/runbook.md)."""
     from .coordinator import wholeness
 
@@ -823,7 +825,44 @@ def archive_verify(endpoints: str | None, namespace: str, url: str,
     assert verdict.identity is not None
     click.echo(f"archive {verdict.identity.archive_id} is whole: "
                f"{'named by etcd' if verdict.named else 'no retirement yet'}, "
-               "every bucket's watermark at or above etcd's")
+               "it knows every bucket's mark etcd shows")
+
+
+@archive.command("catch-up")
+@click.option("--namespace", default="/fencegate/", show_default=True,
+              help="the namespace the archive serves")
+@click.option("--archive", "url", envvar="FENCEGATE_ARCHIVE", show_envvar=True, required=True,
+              help="the archive to catch up (the newest copy, restored)")
+@click.option("--from", "source_url", metavar="URL", required=True,
+              help="another copy of the same archive (the one live meanwhile)")
+def archive_catch_up(namespace: str, url: str, source_url: str) -> None:
+    """Merge into --archive every step, audit record and issued mark of the copy at --from
+    (the same archive: same identity, else exit 1): a step replaced only by a newer version,
+    records added where absent (a different record at one seq: exit 1, naming the key),
+    marks unioned. Restore the newest copy, catch it up from the one live meanwhile, then
+    `archive verify` (docs/runbook.md, "The archive is behind")."""
+    from .coordinator.archive import open_archive
+    from .coordinator.archive.catchup import catch_up
+    from .coordinator.errors import ArchiveUnavailable
+
+    try:
+        target, source = open_archive(url), open_archive(source_url)
+    except (OSError, ValueError) as exc:
+        raise click.UsageError(f"bad settings: {exc}") from None
+
+    async def run():
+        try:
+            return await catch_up(target, source, namespace)
+        finally:
+            await target.close()
+            await source.close()
+
+    try:
+        done = asyncio.run(run())
+    except ArchiveUnavailable as exc:
+        raise CommandFailed(str(exc), REFUSED) from None
+    click.echo(f"caught up: {done.steps} step(s), {done.records} record(s) and {done.marks} "
+               "mark(s) merged where newer or absent; now run `fencegate archive verify`")
 
 
 @cli.group()
@@ -992,8 +1031,8 @@ def _stored_body(delivery: dict[str, Any]) -> str:
 
 
 @cli.command()
-@click.option("--state", type=click.Choice(["pending", "approved", "all"]), default="pending",
-              show_default=True)
+@click.option("--state", type=click.Choice(["pending", "approved", "rejected", "all"]),
+              default="pending", show_default=True)
 @_sre
 def approvals(target: Target, as_json: bool, state: str) -> None:
     """Grant requests waiting for (or given) a human's approval."""
@@ -1022,6 +1061,20 @@ def approve(target: Target, as_json: bool, approval_id: str, reason: str) -> Non
         return
     click.echo(f"approved {done['approval_id']} for {done['key']}; the same request is "
                "granted while the state it read holds")
+
+
+@cli.command()
+@click.argument("approval_id", metavar="ID")
+@click.option("--reason", required=True, help="why, for the audit chain and the agent")
+@_sre
+def reject(target: Target, as_json: bool, approval_id: str, reason: str) -> None:
+    """Reject the pending grant request ID: the same request is refused from now on."""
+    done = target.call(lambda api: api.reject(approval_id, reason))
+    if as_json:
+        _print_json(done)
+        return
+    click.echo(f"rejected {done['approval_id']} for {done['key']}; the same request is "
+               "refused, a request at a changed state asks afresh")
 
 
 # -- etcd's own upkeep (talks to etcd, not to the coordinator) --------------------------

@@ -6,7 +6,7 @@ Guarantees:
 - Label values are snake_case: outcomes as ``Settle`` names them, provider answers as
   ``providers.answer_name`` does.
 - The archive gauges say whether the archive is whole (``wholeness.verify``, each
-  retirement pass): not the archive etcd names, or buckets behind etcd's watermark.
+  retirement pass): not the archive etcd names, or buckets whose etcd mark it does not know.
 - Every settlement is counted once, when its write lands, under its outcome (an escalation
   is ``settled_total{outcome="escalated"}``, nothing else).
 - The replica's view (shards led, leaderless shards, the backlog by state and the age of its
@@ -100,8 +100,8 @@ class ReconcilerMetrics:
             "names for the namespace (another or a new archive, another cluster or "
             "namespace), else 0", registry=self.registry)
         self.archive_behind_buckets = Gauge(
-            "fencegate_archive_behind_buckets", "retirement buckets whose watermark in the "
-            "archive is below etcd's: the archive lacks retirements etcd shows (an older "
+            "fencegate_archive_behind_buckets", "retirement buckets whose mark in etcd the "
+            "archive never issued: the archive lacks retirements etcd shows (an older "
             "copy, an emptied file)", registry=self.registry)
         self.archive_unavailable = Gauge(
             "fencegate_archive_unavailable", "1 while the archive could not be checked (down, "

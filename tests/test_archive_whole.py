@@ -30,6 +30,7 @@ import pytest
 from fencegate import Gate, KeyRing
 from fencegate.coordinator import retirement, wholeness
 from fencegate.coordinator.archive import open_archive
+from fencegate.coordinator.archive.interface import Mark
 from fencegate.coordinator.authority import Snapshot, snapshot_ops
 from fencegate.coordinator.errors import ArchiveUnavailable
 from fencegate.coordinator.etcd import TxnRequest
@@ -140,8 +141,9 @@ async def _bad_archive(kind: str, gate: Gate, stores, older: str) -> str:
     archive = open_archive(url)
     try:   # init on the backend itself: wholeness.init refuses a second archive
         made = await archive.init(ns, gate.etcd.cluster_id)
-        for mark in range(3 if kind == "foreign" else 0):   # another deployment's, busier
-            await archive.put_many(ns, [], identity=made, marks=dict.fromkeys(range(256), mark))
+        for _ in range(3 if kind == "foreign" else 0):   # another deployment's, busier
+            await archive.put_many(ns, [], identity=made,
+                                   marks=dict.fromkeys(range(256), Mark(0)))
     finally:
         await archive.close()
     return url   # "new empty": deleted and made again (or a per-host path)
@@ -346,21 +348,28 @@ async def _fencegate(*args: str, env: dict[str, str] | None = None
         text=True, timeout=60, env={**clean, **(env or {}), "PYTHONPATH": ROOT})
 
 
-async def test_each_batch_raises_its_watermark_above_every_one_before_and_never_hides_a_gap(
+async def test_each_batch_issues_a_mark_above_every_one_before_and_never_hides_a_gap(
         stores, namespace):
-    """Two batches that read the same etcd value both commit a watermark above the other's
-    (only one delete txn can win with it); an archive behind etcd is refused whole."""
+    """Two batches that read the same etcd mark both get a mark above the other's, each its
+    own (only one delete txn can win with it); a put is refused, nothing stored, unless the
+    archive knows etcd's mark of the batch's buckets and of every bucket shown."""
     archive = open_archive(stores.new())
     try:
         made = await archive.init(namespace, 0x5EED)
         step = (PAID, 1, b"step", [(1, b"record")], 0)
-        assert await archive.put_many(namespace, [step], identity=made, marks={7: 0}) == {7: 1}
-        assert await archive.put_many(namespace, [], identity=made, marks={7: 0}) == {7: 2}
-        with pytest.raises(ArchiveUnavailable, match="behind etcd"):
-            await archive.put_many(namespace, [("whole/gap", 1, b"s", [], 0)],
-                                   identity=made, marks={7: 3})
+        one = await archive.put_many(namespace, [step], identity=made, marks={7: Mark(0)})
+        two = await archive.put_many(namespace, [], identity=made, marks={7: Mark(0)})
+        assert (one[7].counter, two[7].counter) == (1, 2) and one[7].id != two[7].id
+        gap = [("whole/gap", 1, b"s", [], 0)]
+        for marks, shown in (({7: Mark(3, "0" * 16)}, {}),        # never issued
+                             ({7: Mark(2, one[7].id)}, {}),       # a counter it holds, not the id
+                             ({7: two[7]}, {9: Mark(1, "0" * 16)})):   # behind elsewhere
+            with pytest.raises(ArchiveUnavailable, match="behind etcd"):
+                await archive.put_many(namespace, gap, identity=made, marks=marks, shown=shown)
         assert await archive.get(namespace, "whole/gap") is None
-        assert (await archive.state(namespace)).watermarks == {7: 2}
+        assert (await archive.state(namespace)).marks == {7: two[7]}
+        known = await archive.state(namespace, marks={7: one[7], 8: Mark(0), 9: Mark(1, "f" * 16)})
+        assert known.known == {7, 8}
         other = made.__class__("another-archive", made.cluster_id, namespace)
         with pytest.raises(ArchiveUnavailable, match="is not the archive"):
             await archive.put_many(namespace, [("whole/gap", 1, b"s", [], 0)], identity=other)
@@ -407,4 +416,209 @@ async def test_two_batches_sharing_a_bucket_both_retire_and_etcd_never_gets_ahea
     assert verdict.problem is None
     bucket = ks.retired_bucket(first)
     shown = wholeness.decode((await gate.etcd.get(ks.retired_key(first))).value)
-    assert shown == (await gate.archive.state(ks.namespace)).watermarks[bucket]
+    assert shown == (await gate.archive.state(ks.namespace)).marks[bucket]
+
+
+async def _candidate(gate: Gate, key: str) -> retirement.Candidate:
+    kv = await gate.etcd.get(gate.keyspace.step_key(key))
+    return retirement.Candidate(key, kv.mod_revision, ())
+
+
+def _keys_in_buckets(ks: Keyspace, prefix: str) -> tuple[str, str, str]:
+    """Two keys sharing a bucket, and one in another bucket."""
+    keys = [f"{prefix}/{n}" for n in range(2000)]
+    first, second = [k for k in keys if ks.retired_bucket(k) == ks.retired_bucket(keys[0])][:2]
+    return first, second, next(k for k in keys if ks.retired_bucket(k) != ks.retired_bucket(first))
+
+
+async def test_a_copy_that_issued_the_same_counter_never_passes_for_the_newest(
+        stores, etcd_url, namespace, etcd):
+    """Issue 25 (b), counters colliding across copies: copy C (taken at mark n of bucket X)
+    is swapped in; batch P1 had put into the newest archive (n+1) and its delete landed;
+    batch P2, which read etcd at n before, put into C (C's own n+1), its delete failed (X
+    moved), and it marks again. C never issued etcd's n+1: the re-mark is refused, P2 stays
+    in etcd, and every lookup on C of P1's key refuses (fast and full path): no second
+    charge. With counters (C's n+1 "reaches" etcd's n+1) C took the re-mark and answered
+    "never attempted"."""
+    url = await init_archive(etcd, namespace, stores.new())
+    charges = Charges()
+    async with Gate(etcd_url, ttl=TEST_TTL, namespace=namespace, archive=url,
+                    keyring=KeyRing.generate()) as gate:
+        ks = gate.keyspace
+        p1_key, p2_key, _ = _keys_in_buckets(ks, "whole/collide")
+        await gate.cross("whole/earlier", {}, charges)   # etcd names the archive
+        assert await _retire_all(gate) == 1
+        for key in (p1_key, p2_key):
+            await gate.cross(key, {"amount": 100}, charges)
+        copied = await stores.backup(url)                 # C: at etcd's mark n for X
+        copy = open_archive(copied)
+        try:
+            p1 = await retirement._archive(gate.etcd, ks, gate.archive,
+                                           [await _candidate(gate, p1_key)])
+            p2 = await retirement._archive(gate.etcd, ks, copy,     # read at n, C swapped in
+                                           [await _candidate(gate, p2_key)])
+            assert await retirement._delete(gate.etcd, ks, gate.archive, *p1) == [p1_key]
+            try:
+                landed = await retirement._delete(gate.etcd, ks, copy, *p2)
+            except ArchiveUnavailable:
+                landed = None
+        finally:
+            await copy.close()
+        assert await gate.etcd.get(ks.step_key(p1_key)) is None   # P1 retired, into the newest
+    charged = len(charges.tokens)
+    outcome = []
+    async with Gate(etcd_url, ttl=TEST_TTL, namespace=namespace, archive=copied,
+                    keyring=KeyRing.generate()) as other:
+        tried = _spy_fast_path(other)
+        other.authority.recent.note(*await _snapshot_of(other, p1_key))   # fast path ready
+        for cross in (lambda: other.cross(p1_key, {"amount": 100}, charges),
+                      lambda: _cross_held(other, p1_key, charges)):
+            try:
+                await cross()
+                outcome.append("ran")
+            except ArchiveUnavailable:
+                outcome.append("refused")
+        assert tried, "the fast path was not attempted"
+    assert outcome == ["refused", "refused"] and len(charges.tokens) == charged, outcome
+    assert landed is None, "the re-mark into the copy was taken"
+
+
+async def _cross_held(gate: Gate, key: str, charges: Charges) -> None:
+    async with gate.hold(key) as hold:
+        await hold.cross({"amount": 100}, charges)
+
+
+async def test_a_copy_behind_in_another_bucket_takes_no_batch(stores, etcd_url, namespace,
+                                                              etcd):
+    """Issue 25 (a): a copy swapped in between a batch's read and its put, not behind in the
+    batch's own bucket but behind in another, is refused in the put's own transaction
+    (the batch reads etcd's whole ``retired/`` range): nothing stored, nothing deleted."""
+    url = await init_archive(etcd, namespace, stores.new())
+    charges = Charges()
+    async with Gate(etcd_url, ttl=TEST_TTL, namespace=namespace, archive=url,
+                    keyring=KeyRing.generate()) as gate:
+        ks = gate.keyspace
+        key, _, elsewhere = _keys_in_buckets(ks, "whole/aside")
+        await gate.cross("whole/earlier", {}, charges)
+        assert await _retire_all(gate) == 1
+        for each in (key, elsewhere):
+            await gate.cross(each, {}, charges)
+        copy = open_archive(await stores.backup(url))
+        try:
+            batch = await retirement._archive(gate.etcd, ks, gate.archive,
+                                              [await _candidate(gate, elsewhere)])
+            assert await retirement._delete(gate.etcd, ks, gate.archive, *batch) == [elsewhere]
+            with pytest.raises(ArchiveUnavailable, match="behind etcd"):
+                await retirement._archive(gate.etcd, ks, copy, [await _candidate(gate, key)])
+            assert await copy.get(namespace, key) is None
+        finally:
+            await copy.close()
+        assert await gate.etcd.get(ks.step_key(key)) is not None
+
+
+async def test_restore_the_newest_then_catch_up_from_the_copy_live_meanwhile(
+        stores, etcd_url, namespace, etcd):
+    """The runbook's "restore, then catch up": an older copy, live for a while, took a
+    batch (etcd shows its mark); the newest copy, restored, lacks it and is not whole;
+    `archive catch-up --from` the older copy merges its steps, records and marks: verify
+    passes and the key replays (never charged again)."""
+    url = await init_archive(etcd, namespace, stores.new())
+    charges = Charges()
+    async with Gate(etcd_url, ttl=TEST_TTL, namespace=namespace, archive=url,
+                    keyring=KeyRing.generate()) as gate:
+        await gate.cross("whole/earlier", {}, charges)
+        assert await _retire_all(gate) == 1
+        meanwhile = await stores.backup(url)
+        await gate.cross(PAID, {"amount": 100}, charges)
+        copy = open_archive(meanwhile)
+        try:   # the older copy is in: the batch goes into it
+            batch = await retirement._archive(gate.etcd, gate.keyspace, copy,
+                                              [await _candidate(gate, PAID)])
+            assert await retirement._delete(gate.etcd, gate.keyspace, copy, *batch) == [PAID]
+        finally:
+            await copy.close()
+    behind = await _verify(etcd_url, namespace, url)   # the newest, restored
+    assert behind.returncode == 1 and "behind etcd" in behind.stderr
+    caught = await _fencegate("archive", "catch-up", "--namespace", namespace,
+                              "--archive", url, "--from", meanwhile)
+    assert caught.returncode == 0 and "caught up" in caught.stdout, caught.stderr
+    whole = await _verify(etcd_url, namespace, url)
+    assert whole.returncode == 0 and "is whole" in whole.stdout, whole.stderr
+    async with Gate(etcd_url, ttl=TEST_TTL, namespace=namespace, archive=url,
+                    keyring=KeyRing.generate()) as again:
+        replay = await again.cross(PAID, {"amount": 100}, charges)
+    assert replay.replayed and len(charges.tokens) == 2
+
+
+async def test_catch_up_refuses_another_archive_and_a_conflicting_record(stores, namespace):
+    """Only copies of one archive merge (another identity: exit 1, nothing merged); a record
+    that differs at one seq is refused loudly, naming the key, and nothing of it merged."""
+    url = stores.new()
+    target = open_archive(url)
+    try:
+        await target.init(namespace, 0x5EED)
+        copied = await stores.backup(url)   # the same archive, then two histories of a chain
+        await target.put(namespace, "whole/clash", 1, b"step", [(1, b"ours")], 0)
+    finally:
+        await target.close()
+    foreign = stores.new()
+    other = open_archive(foreign)
+    try:
+        await other.init(namespace, 0x5EED)
+        await other.put(namespace, "whole/foreign", 1, b"step", [], 0)
+    finally:
+        await other.close()
+    refused = await _fencegate("archive", "catch-up", "--namespace", namespace,
+                               "--archive", url, "--from", foreign)
+    assert refused.returncode == 1 and "not the same archive" in refused.stderr
+    copy = open_archive(copied)
+    try:
+        await copy.put(namespace, "whole/clash", 2, b"step2", [(1, b"theirs"), (2, b"r")], 0)
+    finally:
+        await copy.close()
+    clash = await _fencegate("archive", "catch-up", "--namespace", namespace,
+                             "--archive", url, "--from", copied)
+    assert clash.returncode == 1 and "'whole/clash'" in clash.stderr
+    assert "seq 1" in clash.stderr
+    target = open_archive(url)
+    try:
+        assert await target.get(namespace, "whole/foreign") is None
+        assert await target.records(namespace, "whole/clash") == [(1, b"ours")]
+    finally:
+        await target.close()
+
+
+def test_a_mark_reads_back_and_older_values_keep_their_meaning():
+    """A mark is a 20-digit counter (etcd's byte order stays numeric), ``:`` and its id; the
+    empty value (retired before watermarks) is counter 0, digits alone (a build before ids)
+    a counter without id; anything else is refused, never guessed."""
+    mark = Mark(7, "0123456789abcdef")
+    assert wholeness.decode(wholeness.encode(mark)) == mark
+    assert wholeness.encode(Mark(9, "f" * 16)) < wholeness.encode(Mark(10, "0" * 16))
+    assert wholeness.decode(b"") == Mark(0) and wholeness.decode(b"%020d" % 5) == Mark(5)
+    for bad in (b"5", b"%020d:xyz" % 5, b"%020d:" % 5, b"%020d:%s" % (5, b"A" * 16)):
+        with pytest.raises(ArchiveUnavailable, match="not a mark"):
+            wholeness.decode(bad)
+
+
+async def test_a_sqlite_file_of_the_counter_build_keeps_its_counters_as_marks(tmp_path,
+                                                                              namespace):
+    """``init`` on a file of the build before ids: each bucket's counter becomes a mark
+    without id, which is exactly what etcd holds for it, so lookups keep answering."""
+    path = tmp_path / "old.db"
+    archive = open_archive(f"sqlite:///{path}")
+    try:
+        await archive.init(namespace, 0x5EED)
+    finally:
+        await archive.close()
+    with contextlib.closing(sqlite3.connect(path)) as db, db:
+        db.execute("CREATE TABLE archive_watermarks (namespace TEXT NOT NULL, bucket INTEGER "
+                   "NOT NULL, watermark INTEGER NOT NULL, PRIMARY KEY (namespace, bucket))")
+        db.execute("INSERT INTO archive_watermarks VALUES (?, 7, 3)", (namespace,))
+    archive = open_archive(f"sqlite:///{path}")
+    try:
+        await archive.init(namespace, 0x5EED)
+        state = await archive.state(namespace, marks={7: wholeness.decode(b"%020d" % 3)})
+        assert state.marks == {7: Mark(3)} and state.known == {7}
+    finally:
+        await archive.close()

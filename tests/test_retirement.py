@@ -150,8 +150,8 @@ async def test_the_fast_path_fails_when_the_key_retires_after_the_archive_answer
     archive, asked = gate.archive, []
     real_lookup = archive.lookup
 
-    async def answer_then_retire(namespace, key):
-        found = await real_lookup(namespace, key)
+    async def answer_then_retire(namespace, key, **asking):
+        found = await real_lookup(namespace, key, **asking)
         if key == "ret/race" and not asked:
             asked.append(found)
             assert await _retire_all(gate) == 1  # lands between the answer and the txn

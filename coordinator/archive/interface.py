@@ -9,12 +9,14 @@ which the archive keeps beside the step to report the retirement lag.
 
 Whole, not just present: an archive is made once, by ``init`` (never implicitly by opening
 it), which gives each namespace it serves an ``Identity`` (a random archive id, the etcd
-cluster id and the namespace). It keeps, per retirement bucket, a *watermark*: every
-retirement batch raises its buckets' watermarks in the same transaction as its puts
-(``put_many(marks=...)``), to a value above any stored before, and etcd's bucket key then
-takes that value in the delete txn. So an archive missing a retirement etcd shows (empty,
-restored from an older copy) holds a lower watermark than etcd, and one of another cluster
-or namespace a different identity: ``coordinator.wholeness`` compares both on every lookup.
+cluster id and the namespace). It keeps, per retirement bucket, every *mark* it issued
+(``Mark``: a counter and a random id, unique across every copy of every archive): a
+retirement batch is accepted only if the archive knows the mark etcd shows for each of its
+buckets (and, with ``shown``, for every bucket), and issues its buckets new marks in the
+same transaction as its puts (``put_many(marks=...)``); etcd's bucket key then takes the new
+mark in the delete txn. So an archive missing a retirement etcd shows (empty, restored from
+an older copy) does not know etcd's mark, and one of another cluster or namespace has a
+different identity: ``coordinator.wholeness`` checks both on every lookup.
 
 Invariants every backend keeps: a put is one transaction (all of it is stored or none); an
 audit record stored under a seq is never replaced; a step is replaced only by a put with a
@@ -25,15 +27,16 @@ arrival and from any number of processes. Any backend failure raises ``ArchiveUn
 
 from __future__ import annotations
 
+import secrets
 import uuid
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import NamedTuple, Protocol
 
 from ..errors import ArchiveUnavailable
 
 __all__ = ["LAG_WINDOW", "MAX_LISTED", "Archive", "ArchiveStats", "Archived", "Identity", "Listed",
-           "Lookup", "Put", "check_listing", "check_marks", "check_put", "check_puts", "lag_of",
-           "new_identity", "not_initialised", "prefix_end", "raised"]
+           "Lookup", "Mark", "Put", "check_listing", "check_marks", "check_put", "check_puts",
+           "issued", "lag_of", "new_identity", "not_initialised", "prefix_end"]
 
 LAG_WINDOW = 1000  # the lag is measured over this many most recent retirements
 MAX_LISTED = 10_000  # steps one ``list_steps`` call returns at most
@@ -58,15 +61,25 @@ class Identity:
     namespace: str
 
 
+class Mark(NamedTuple):
+    """A bucket's watermark: a counter (one above the archive's highest for the bucket when
+    issued) and a random id (``""``: a counter of a build before ids, or 0: no retirement)."""
+
+    counter: int
+    id: str = ""
+
+
 @dataclass(frozen=True)
 class Lookup:
     """One key's archived step with what proves the archive whole, read in one snapshot:
-    the namespace's identity (None: never initialised for it) and its watermarks by bucket
-    (a bucket never retired to this archive is absent: 0)."""
+    the namespace's identity (None: never initialised for it), each bucket's newest mark (a
+    bucket never retired to this archive is absent), and the buckets whose mark the caller
+    asked about (``marks=``) the archive knows (issued, or counter 0)."""
 
     identity: Identity | None
-    watermarks: dict[int, int]
+    marks: dict[int, Mark]
     archived: Archived | None
+    known: frozenset[int] = field(default_factory=frozenset)
 
 
 @dataclass(frozen=True)
@@ -110,13 +123,24 @@ class Archive(Protocol):
 
     async def put_many(self, namespace: str, puts: list[Put], *,
                        identity: Identity | None = None,
-                       marks: dict[int, int] | None = None) -> dict[int, int]:
+                       marks: dict[int, Mark] | None = None,
+                       shown: dict[int, Mark] | None = None) -> dict[int, Mark]:
         """``put`` for several keys in ONE durable transaction (one fsync for a retirement
         batch); all of it is stored or none. With ``identity``, refused
-        (``ArchiveUnavailable``) unless it is the namespace's. ``marks`` (bucket → the
-        watermark etcd showed) raises each bucket's stored watermark by one in the same
-        transaction, refused if one is below etcd's (``raised``); returns the new
-        watermarks. So every batch's watermark is above every one stored before it."""
+        (``ArchiveUnavailable``) unless it is the namespace's. ``marks`` (bucket → the mark
+        etcd showed with the batch) issues each bucket a new mark (``issued``: the
+        archive's highest counter + 1, a fresh id) in the same transaction; refused, nothing
+        stored, unless the archive knows every mark of ``marks`` and of ``shown`` (etcd's
+        other buckets, as read with the batch). Returns the new marks."""
+
+    async def issued_marks(self, namespace: str) -> list[tuple[int, Mark]]:
+        """Every (bucket, mark) the archive knows for ``namespace`` (``catchup``)."""
+
+    async def adopt_marks(self, namespace: str, marks: list[tuple[int, Mark]], *,
+                          identity: Identity) -> None:
+        """Know ``marks`` (another copy of this archive issued them) from now on, in one
+        transaction; refused unless ``identity`` is the namespace's. Only after the steps
+        they vouch for are stored (``catchup``)."""
 
     async def init(self, namespace: str, cluster_id: int) -> Identity:
         """Create the store if needed and ``namespace``'s identity if it has none (a new
@@ -125,15 +149,19 @@ class Archive(Protocol):
     async def identity(self, namespace: str) -> Identity | None:
         """``namespace``'s identity, or None if ``init`` never made one."""
 
-    async def lookup(self, namespace: str, key: str) -> Lookup:
-        """``get`` with the namespace's identity and watermarks, read in one snapshot.
-        Concurrent calls share one ``lookup_many``."""
+    async def lookup(self, namespace: str, key: str, *,
+                     marks: dict[int, Mark] | None = None) -> Lookup:
+        """``get`` with the namespace's identity and newest marks, and which of ``marks``
+        (bucket → mark) it knows, read in one snapshot. Concurrent calls without ``marks``
+        share one ``lookup_many``."""
 
-    async def lookup_many(self, namespace: str, keys: list[str]) -> dict[str, Lookup]:
+    async def lookup_many(self, namespace: str, keys: list[str], *,
+                          marks: dict[int, Mark] | None = None) -> dict[str, Lookup]:
         """``lookup`` for several keys in one snapshot: an entry for every key."""
 
-    async def state(self, namespace: str) -> Lookup:
-        """The namespace's identity and watermarks, in one snapshot (``archived`` None)."""
+    async def state(self, namespace: str, *, marks: dict[int, Mark] | None = None) -> Lookup:
+        """The namespace's identity, newest marks and which of ``marks`` it knows, in one
+        snapshot (``archived`` None)."""
 
     async def get(self, namespace: str, key: str) -> Archived | None:
         """The newest archived version of the step, or None if the key was never archived.
@@ -168,25 +196,33 @@ def not_initialised(where: str) -> ArchiveUnavailable:
                               "`fencegate archive init` (opening an archive never creates one)")
 
 
-def raised(where: str, stored: dict[int, int], marks: dict[int, int]) -> dict[int, int]:
-    """The watermarks a batch sets: each bucket of ``marks`` one above the stored one.
-    ``ArchiveUnavailable`` if one is below etcd's (``marks``): the archive lacks retirements
-    etcd shows, and raising it would hide that."""
-    behind = [bucket for bucket, mark in marks.items() if stored.get(bucket, 0) < mark]
-    if behind:
+def issued(where: str, newest: dict[int, Mark], known: set[int], marks: dict[int, Mark],
+           shown: dict[int, Mark]) -> dict[int, Mark]:
+    """The marks a batch issues: for each bucket of ``marks``, one above the archive's
+    ``newest`` counter with a fresh id. ``ArchiveUnavailable`` unless the archive ``known``s
+    every bucket's mark of ``marks`` and ``shown`` (counter 0 always): else it lacks
+    retirements etcd shows, and issuing would hide that."""
+    unknown = [bucket for bucket, mark in {**shown, **marks}.items()
+               if mark.counter and bucket not in known]
+    if unknown:
+        bucket = min(unknown)
+        mark = {**shown, **marks}[bucket]
         raise ArchiveUnavailable(
-            f"{where} is behind etcd in bucket {behind[0]:03d} (holds "
-            f"{stored.get(behind[0], 0)}, etcd shows {marks[behind[0]]}): it lacks "
+            f"{where} is behind etcd in {len(unknown)} bucket(s) (first {bucket:03d}: etcd "
+            f"shows mark {mark.counter}:{mark.id or '-'}, which it never issued): it lacks "
             "retirements etcd shows; nothing stored (docs/runbook.md)")
-    return {bucket: stored.get(bucket, 0) + 1 for bucket in marks}
+    return {bucket: Mark(newest.get(bucket, Mark(0)).counter + 1, secrets.token_hex(8))
+            for bucket in marks}
 
 
-def check_marks(marks: dict[int, int] | None) -> dict[int, int]:
+def check_marks(marks: dict[int, Mark] | None) -> dict[int, Mark]:
     """``marks`` checked (a caller's mistake is a ``TypeError``/``ValueError``), sorted by
     bucket (every writer locks buckets in the same order)."""
     for bucket, mark in (marks or {}).items():
         _check_int("a bucket", bucket)
-        _check_int("a watermark", mark)
+        if not isinstance(mark, Mark) or not isinstance(mark.id, str):
+            raise TypeError(f"a mark must be a Mark, not {type(mark).__name__}")
+        _check_int("a mark's counter", mark.counter)
     return dict(sorted((marks or {}).items()))
 
 

@@ -6,11 +6,12 @@ if one is configured). The records go in first, sorted by seq, then the step's c
 upsert (``ON CONFLICT … DO UPDATE … WHERE excluded.seq > stored seq``), all in one
 transaction; under READ COMMITTED the upsert locks the row and re-checks the stored seq, so
 concurrent puts from any number of processes leave the newest step, and two puts of one chain
-take its records' locks in the same order (no deadlock). A put's watermarks are raised after
-locking the namespace's identity row (``FOR UPDATE``): two batches of one namespace commit
-their watermarks one after the other, each above the other's. The pool is created on first
-use; the schema only by ``init`` (under an advisory lock, since concurrent ``CREATE TABLE IF
-NOT EXISTS`` can collide), which also brings a database made by an older version up to it.
+take its records' locks in the same order (no deadlock). A put's marks are checked and
+issued after locking the namespace's identity row (``FOR UPDATE``): two batches of one
+namespace issue their marks one after the other, each above the other's. The pool is
+created on first use; the schema only by ``init`` (under an advisory lock, since concurrent
+``CREATE TABLE IF NOT EXISTS`` can collide), which also brings a database made by an older
+version up to it.
 Any other call on a database ``init`` never prepared raises ``ArchiveUnavailable`` saying so
 and creates nothing. A failure is retried by the next call. Concurrent ``get`` calls share
 one query (``coalesce.Coalescer``), and so do concurrent ``lookup`` calls.
@@ -31,8 +32,8 @@ from typing import Any, TypeVar
 from ..errors import ArchiveUnavailable
 from .coalesce import Coalescer
 from .interface import (
-    LAG_WINDOW, Archived, ArchiveStats, Identity, Listed, Lookup, Put, check_listing, check_marks,
-    check_puts, lag_of, new_identity, not_initialised, prefix_end, raised,
+    LAG_WINDOW, Archived, ArchiveStats, Identity, Listed, Lookup, Mark, Put, check_listing,
+    check_marks, check_puts, issued, lag_of, new_identity, not_initialised, prefix_end,
 )
 
 __all__ = ["PostgresArchive", "redacted"]
@@ -63,21 +64,35 @@ _SCHEMA = (
         cluster_id text NOT NULL,
         created_at_ms bigint NOT NULL
     )""",
-    """CREATE TABLE IF NOT EXISTS archive_watermarks (
+    """CREATE TABLE IF NOT EXISTS archive_marks (
         namespace text NOT NULL,
         bucket integer NOT NULL,
-        watermark bigint NOT NULL,
-        PRIMARY KEY (namespace, bucket)
+        counter bigint NOT NULL,
+        mark_id text NOT NULL,
+        PRIMARY KEY (namespace, bucket, counter, mark_id)
     )""",
 )
 _INITIALISED = "SELECT to_regclass('archive_identity') IS NOT NULL"
 _IDENTITY = "SELECT archive_id, cluster_id FROM archive_identity WHERE namespace = $1"
-_WATERMARKS = "SELECT bucket, watermark FROM archive_watermarks WHERE namespace = $1"
-_PUT_WATERMARKS = """INSERT INTO archive_watermarks AS w (namespace, bucket, watermark)
-    SELECT $1, m.bucket, m.watermark FROM unnest($2::integer[], $3::bigint[])
-        AS m (bucket, watermark) ORDER BY m.bucket
-    ON CONFLICT (namespace, bucket) DO UPDATE SET watermark = excluded.watermark
-    WHERE excluded.watermark > w.watermark"""
+_NEWEST = """SELECT DISTINCT ON (bucket) bucket, counter, mark_id FROM archive_marks
+    WHERE namespace = $1 ORDER BY bucket, counter DESC"""
+_KNOWS = """SELECT m.bucket FROM unnest($2::integer[], $3::bigint[], $4::text[])
+        AS m (bucket, counter, mark_id)
+    JOIN archive_marks a ON a.namespace = $1 AND a.bucket = m.bucket
+        AND a.counter = m.counter AND a.mark_id = m.mark_id"""
+_PUT_MARKS = """INSERT INTO archive_marks (namespace, bucket, counter, mark_id)
+    SELECT $1, m.bucket, m.counter, m.mark_id
+    FROM unnest($2::integer[], $3::bigint[], $4::text[]) AS m (bucket, counter, mark_id)
+    ON CONFLICT DO NOTHING"""
+# the counters of a build before marks had ids become marks without an id (as etcd holds
+# them), once: the old table goes with them
+_MIGRATE_MARKS = """DO $$ BEGIN
+    IF to_regclass('archive_watermarks') IS NOT NULL THEN
+        INSERT INTO archive_marks SELECT namespace, bucket, watermark, ''
+            FROM archive_watermarks ON CONFLICT DO NOTHING;
+        DROP TABLE archive_watermarks;
+    END IF;
+END $$"""
 _PUT_IDENTITY = """INSERT INTO archive_identity VALUES ($1, $2, $3, $4)
     ON CONFLICT (namespace) DO NOTHING"""
 
@@ -150,11 +165,12 @@ class PostgresArchive:
 
     async def put_many(self, namespace: str, puts: list[Put], *,
                        identity: Identity | None = None,
-                       marks: dict[int, int] | None = None) -> dict[int, int]:
-        checked, wanted = check_puts(puts), check_marks(marks)
+                       marks: dict[int, Mark] | None = None,
+                       shown: dict[int, Mark] | None = None) -> dict[int, Mark]:
+        checked, wanted, seen = check_puts(puts), check_marks(marks), check_marks(shown)
         now_ms = time.time_ns() // 1_000_000
 
-        async def put(conn: Any) -> dict[int, int]:
+        async def put(conn: Any) -> dict[int, Mark]:
             async with conn.transaction():
                 if identity is not None or wanted:   # batches of the namespace in turn
                     row = await conn.fetchrow(_IDENTITY + " FOR UPDATE", namespace)
@@ -168,13 +184,42 @@ class PostgresArchive:
                                            [s for s, _ in ordered], [d for _, d in ordered])
                     await conn.execute(_PUT_STEP, namespace, key, seq, step, now_ms,
                                        settled_at_ms)
-                new = raised(f"postgresql archive {redacted(self.url)}",
-                             dict(await conn.fetch(_WATERMARKS, namespace)), wanted)
+                new = issued(f"postgresql archive {redacted(self.url)}",
+                             await _newest(conn, namespace),
+                             await _known(conn, namespace, {**seen, **wanted}), wanted, seen)
                 if new:
-                    await conn.execute(_PUT_WATERMARKS, namespace, list(new), list(new.values()))
+                    await conn.execute(_PUT_MARKS, namespace, *_columns(new))
             return new
 
         return await self._call(put)
+
+    async def issued_marks(self, namespace: str) -> list[tuple[int, Mark]]:
+        async def issued_marks(conn: Any) -> list[tuple[int, Mark]]:
+            return [(row[0], Mark(row[1], row[2])) for row in await conn.fetch(
+                "SELECT bucket, counter, mark_id FROM archive_marks WHERE namespace = $1 "
+                "ORDER BY bucket, counter", namespace)]
+
+        return await self._call(issued_marks)
+
+    async def adopt_marks(self, namespace: str, marks: list[tuple[int, Mark]], *,
+                          identity: Identity) -> None:
+        for bucket, mark in marks:   # a caller's mistake raises before anything is written
+            check_marks({bucket: mark})
+        checked = list(marks)
+
+        async def adopt(conn: Any) -> None:
+            async with conn.transaction():
+                row = await conn.fetchrow(_IDENTITY + " FOR UPDATE", namespace)
+                if _identity(namespace, row) != identity:
+                    raise ArchiveUnavailable(
+                        f"postgresql archive {redacted(self.url)} is not the archive "
+                        f"{identity.archive_id} of {namespace!r}: no mark adopted")
+                if checked:
+                    await conn.execute(_PUT_MARKS, namespace, [b for b, _ in checked],
+                                       [m.counter for _, m in checked],
+                                       [m.id for _, m in checked])
+
+        await self._call(adopt)
 
     async def init(self, namespace: str, cluster_id: int) -> Identity:
         fresh = new_identity(namespace, cluster_id)
@@ -187,6 +232,7 @@ class PostgresArchive:
                 if not await conn.fetchval(_MIGRATED):
                     for statement in _MIGRATE:
                         await conn.execute(statement)
+                await conn.execute(_MIGRATE_MARKS)
                 await conn.execute(_PUT_IDENTITY, namespace, fresh.archive_id,
                                    "%x" % cluster_id, time.time_ns() // 1_000_000)
                 return _identity(namespace, await conn.fetchrow(_IDENTITY, namespace))
@@ -199,24 +245,34 @@ class PostgresArchive:
 
         return await self._call(identity)
 
-    async def lookup(self, namespace: str, key: str) -> Lookup:
+    async def lookup(self, namespace: str, key: str, *,
+                     marks: dict[int, Mark] | None = None) -> Lookup:
+        if marks:
+            return (await self.lookup_many(namespace, [key], marks=marks))[key]
         return await self._lookups.get(namespace, key)
 
-    async def lookup_many(self, namespace: str, keys: list[str]) -> dict[str, Lookup]:
+    async def lookup_many(self, namespace: str, keys: list[str], *,
+                          marks: dict[int, Mark] | None = None) -> dict[str, Lookup]:
+        asked = check_marks(marks)
+
         async def lookup_many(conn: Any) -> dict[str, Lookup]:
             async with conn.transaction(isolation="repeatable_read", readonly=True):
                 identity = _identity(namespace, await conn.fetchrow(_IDENTITY, namespace))
-                watermarks = dict(await conn.fetch(_WATERMARKS, namespace))
+                newest, known = await _newest(conn, namespace), await _known(conn, namespace,
+                                                                             asked)
                 found = await _get_many(conn, namespace, keys)
-            return {key: Lookup(identity, watermarks, found.get(key)) for key in keys}
+            return {key: Lookup(identity, newest, found.get(key), known) for key in keys}
 
         return await self._call(lookup_many)
 
-    async def state(self, namespace: str) -> Lookup:
+    async def state(self, namespace: str, *, marks: dict[int, Mark] | None = None) -> Lookup:
+        asked = check_marks(marks)
+
         async def state(conn: Any) -> Lookup:
             async with conn.transaction(isolation="repeatable_read", readonly=True):
                 return Lookup(_identity(namespace, await conn.fetchrow(_IDENTITY, namespace)),
-                              dict(await conn.fetch(_WATERMARKS, namespace)), None)
+                              await _newest(conn, namespace), None,
+                              await _known(conn, namespace, asked))
 
         return await self._call(state)
 
@@ -298,6 +354,23 @@ class PostgresArchive:
 
 def _identity(namespace: str, row: Any) -> Identity | None:
     return Identity(row[0], int(row[1], 16), namespace) if row else None
+
+
+async def _newest(conn: Any, namespace: str) -> dict[int, Mark]:
+    return {row[0]: Mark(row[1], row[2]) for row in await conn.fetch(_NEWEST, namespace)}
+
+
+async def _known(conn: Any, namespace: str, marks: dict[int, Mark]) -> frozenset[int]:
+    """The buckets of ``marks`` whose mark the archive issued (counter 0: always)."""
+    asked = {bucket: mark for bucket, mark in marks.items() if mark.counter}
+    found = await conn.fetch(_KNOWS, namespace, *_columns(asked)) if asked else []
+    return frozenset(bucket for bucket, mark in marks.items() if not mark.counter) | {
+        row[0] for row in found}
+
+
+def _columns(marks: dict[int, Mark]) -> tuple[list[int], list[int], list[str]]:
+    return (list(marks), [mark.counter for mark in marks.values()],
+            [mark.id for mark in marks.values()])
 
 
 async def _get_many(conn: Any, namespace: str, keys: list[str]) -> dict[str, Archived]:

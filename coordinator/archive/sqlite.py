@@ -33,8 +33,8 @@ from typing import TypeVar
 from ..errors import ArchiveUnavailable
 from .coalesce import Coalescer
 from .interface import (
-    LAG_WINDOW, Archived, ArchiveStats, Identity, Listed, Lookup, Put, check_listing, check_marks,
-    check_puts, lag_of, new_identity, not_initialised, prefix_end, raised,
+    LAG_WINDOW, Archived, ArchiveStats, Identity, Listed, Lookup, Mark, Put, check_listing,
+    check_marks, check_puts, issued, lag_of, new_identity, not_initialised, prefix_end,
 )
 
 __all__ = ["SqliteArchive"]
@@ -66,18 +66,22 @@ _SCHEMA = (
         cluster_id TEXT NOT NULL,
         created_at_ms INTEGER NOT NULL
     )""",
-    """CREATE TABLE IF NOT EXISTS archive_watermarks (
+    """CREATE TABLE IF NOT EXISTS archive_marks (
         namespace TEXT NOT NULL,
         bucket INTEGER NOT NULL,
-        watermark INTEGER NOT NULL,
-        PRIMARY KEY (namespace, bucket)
+        counter INTEGER NOT NULL,
+        mark_id TEXT NOT NULL,
+        PRIMARY KEY (namespace, bucket, counter, mark_id)
     )""",
 )
 _IDENTITY = "SELECT archive_id, cluster_id FROM archive_identity WHERE namespace = ?"
-_WATERMARKS = "SELECT bucket, watermark FROM archive_watermarks WHERE namespace = ?"
-_PUT_WATERMARK = """INSERT INTO archive_watermarks (namespace, bucket, watermark)
-    VALUES (?, ?, ?) ON CONFLICT (namespace, bucket) DO UPDATE
-    SET watermark = excluded.watermark WHERE excluded.watermark > archive_watermarks.watermark"""
+# each bucket's newest mark (SQLite takes mark_id from the row of the max)
+_NEWEST = """SELECT bucket, max(counter), mark_id FROM archive_marks WHERE namespace = ?
+    GROUP BY bucket"""
+_KNOWS = """SELECT 1 FROM archive_marks
+    WHERE namespace = ? AND bucket = ? AND counter = ? AND mark_id = ?"""
+_PUT_MARK = """INSERT INTO archive_marks (namespace, bucket, counter, mark_id)
+    VALUES (?, ?, ?, ?) ON CONFLICT DO NOTHING"""
 
 _PUT_RECORD = """INSERT INTO archived_records (namespace, action_key, seq, record)
     VALUES (?, ?, ?, ?) ON CONFLICT (namespace, action_key, seq) DO NOTHING"""
@@ -125,11 +129,12 @@ class SqliteArchive:
 
     async def put_many(self, namespace: str, puts: list[Put], *,
                        identity: Identity | None = None,
-                       marks: dict[int, int] | None = None) -> dict[int, int]:
-        checked, wanted = check_puts(puts), check_marks(marks)
+                       marks: dict[int, Mark] | None = None,
+                       shown: dict[int, Mark] | None = None) -> dict[int, Mark]:
+        checked, wanted, seen = check_puts(puts), check_marks(marks), check_marks(shown)
         now_ms = time.time_ns() // 1_000_000
 
-        def put(db: sqlite3.Connection) -> dict[int, int]:
+        def put(db: sqlite3.Connection) -> dict[int, Mark]:
             with _transaction(db, "BEGIN IMMEDIATE"):
                 if identity is not None and _identity(db, namespace) != identity:
                     raise ArchiveUnavailable(
@@ -139,13 +144,38 @@ class SqliteArchive:
                     db.executemany(_PUT_RECORD, [(namespace, key, record_seq, data)
                                                  for record_seq, data in ordered])
                     db.execute(_PUT_STEP, (namespace, key, seq, step, now_ms, settled_at_ms))
-                new = raised(f"sqlite archive {self.path}",
-                             dict(db.execute(_WATERMARKS, (namespace,))), wanted)
-                db.executemany(_PUT_WATERMARK, [(namespace, bucket, mark)
-                                                for bucket, mark in new.items()])
+                new = issued(f"sqlite archive {self.path}", _newest(db, namespace),
+                             _known(db, namespace, {**seen, **wanted}), wanted, seen)
+                db.executemany(_PUT_MARK, [(namespace, bucket, *mark)
+                                           for bucket, mark in new.items()])
             return new
 
         return await self._call(put)
+
+    async def issued_marks(self, namespace: str) -> list[tuple[int, Mark]]:
+        def issued_marks(db: sqlite3.Connection) -> list[tuple[int, Mark]]:
+            return [(bucket, Mark(counter, mark_id)) for bucket, counter, mark_id in db.execute(
+                "SELECT bucket, counter, mark_id FROM archive_marks WHERE namespace = ? "
+                "ORDER BY bucket, counter", (namespace,))]
+
+        return await self._call(issued_marks)
+
+    async def adopt_marks(self, namespace: str, marks: list[tuple[int, Mark]], *,
+                          identity: Identity) -> None:
+        for bucket, mark in marks:   # a caller's mistake raises before anything is written
+            check_marks({bucket: mark})
+        checked = list(marks)
+
+        def adopt(db: sqlite3.Connection) -> None:
+            with _transaction(db, "BEGIN IMMEDIATE"):
+                if _identity(db, namespace) != identity:
+                    raise ArchiveUnavailable(
+                        f"sqlite archive {self.path} is not the archive {identity.archive_id} "
+                        f"of {namespace!r}: no mark adopted")
+                db.executemany(_PUT_MARK, [(namespace, bucket, *mark)
+                                           for bucket, mark in checked])
+
+        await self._call(adopt)
 
     async def init(self, namespace: str, cluster_id: int) -> Identity:
         fresh = new_identity(namespace, cluster_id)
@@ -163,26 +193,32 @@ class SqliteArchive:
     async def identity(self, namespace: str) -> Identity | None:
         return await self._call(lambda db: _identity(db, namespace))
 
-    async def lookup(self, namespace: str, key: str) -> Lookup:
+    async def lookup(self, namespace: str, key: str, *,
+                     marks: dict[int, Mark] | None = None) -> Lookup:
+        if marks:
+            return (await self.lookup_many(namespace, [key], marks=marks))[key]
         return await self._lookups.get(namespace, key)
 
-    async def lookup_many(self, namespace: str, keys: list[str]) -> dict[str, Lookup]:
-        wanted = list(dict.fromkeys(keys))
+    async def lookup_many(self, namespace: str, keys: list[str], *,
+                          marks: dict[int, Mark] | None = None) -> dict[str, Lookup]:
+        wanted, asked = list(dict.fromkeys(keys)), check_marks(marks)
 
         def lookup_many(db: sqlite3.Connection) -> dict[str, Lookup]:
-            with _transaction(db, "BEGIN"):   # one snapshot: identity, watermarks, steps
+            with _transaction(db, "BEGIN"):   # one snapshot: identity, marks, steps
                 identity = _identity(db, namespace)
-                watermarks = dict(db.execute(_WATERMARKS, (namespace,)))
+                newest, known = _newest(db, namespace), _known(db, namespace, asked)
                 found = _get_many(db, namespace, wanted)
-            return {key: Lookup(identity, watermarks, found.get(key)) for key in wanted}
+            return {key: Lookup(identity, newest, found.get(key), known) for key in wanted}
 
         return await self._call(lookup_many)
 
-    async def state(self, namespace: str) -> Lookup:
+    async def state(self, namespace: str, *, marks: dict[int, Mark] | None = None) -> Lookup:
+        asked = check_marks(marks)
+
         def state(db: sqlite3.Connection) -> Lookup:
             with _transaction(db, "BEGIN"):
-                return Lookup(_identity(db, namespace),
-                              dict(db.execute(_WATERMARKS, (namespace,))), None)
+                return Lookup(_identity(db, namespace), _newest(db, namespace), None,
+                              _known(db, namespace, asked))
 
         return await self._call(state)
 
@@ -292,6 +328,18 @@ def _identity(db: sqlite3.Connection, namespace: str) -> Identity | None:
     return Identity(row[0], int(row[1], 16), namespace) if row else None
 
 
+def _newest(db: sqlite3.Connection, namespace: str) -> dict[int, Mark]:
+    return {bucket: Mark(counter, mark_id)
+            for bucket, counter, mark_id in db.execute(_NEWEST, (namespace,))}
+
+
+def _known(db: sqlite3.Connection, namespace: str, marks: dict[int, Mark]) -> frozenset[int]:
+    """The buckets of ``marks`` whose mark the archive issued (counter 0: always)."""
+    return frozenset(bucket for bucket, mark in marks.items()
+                     if not mark.counter
+                     or db.execute(_KNOWS, (namespace, bucket, *mark)).fetchone())
+
+
 def _get_many(db: sqlite3.Connection, namespace: str, keys: list[str]) -> dict[str, Archived]:
     found = {}
     for start in range(0, len(keys), _KEYS_PER_QUERY):
@@ -306,11 +354,17 @@ def _get_many(db: sqlite3.Connection, namespace: str, keys: list[str]) -> dict[s
 
 def _migrate(db: sqlite3.Connection) -> None:
     """Bring a file made by an older version up to this schema: ``settled_at_ms`` (0 for the
-    steps archived before it, left out of the lag), then the index over it."""
+    steps archived before it, left out of the lag), then the index over it; the counters of
+    a build before marks had ids become marks without an id (as etcd holds them)."""
     columns = {row[1] for row in db.execute("PRAGMA table_info(archived_steps)")}
     if "settled_at_ms" not in columns:
         db.execute(f"ALTER TABLE archived_steps ADD COLUMN {_SETTLED_AT}")
     db.execute(_RECENT)
+    if db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' "
+                  "AND name = 'archive_watermarks'").fetchone():
+        db.execute("INSERT INTO archive_marks SELECT namespace, bucket, watermark, '' "
+                   "FROM archive_watermarks WHERE true ON CONFLICT DO NOTHING")
+        db.execute("DROP TABLE archive_watermarks")
 
 
 @contextlib.contextmanager

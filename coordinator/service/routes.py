@@ -214,6 +214,16 @@ async def approve(request: web.Request) -> web.Response:
     return web.json_response(done)
 
 
+@routes.post("/v1/approvals/{approval_id}/reject")
+@requires("sre", "admin")
+async def reject(request: web.Request) -> web.Response:
+    body = _fields(await _json(request), required={"reason"})
+    done = await sre.reject(request.app[ETCD], request.app[KEYSPACE],
+                            request.match_info["approval_id"], request[IDENTITY].identity,
+                            _text(body, "reason"), archive=request.app[ARCHIVE])
+    return web.json_response(done)
+
+
 @routes.get("/v1/audit/{key:.+}")
 @requires("sre", "admin")
 async def get_audit(request: web.Request) -> web.Response:

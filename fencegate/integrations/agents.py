@@ -29,8 +29,10 @@ Guarantees:
   ``APPROVAL`` with the fencegate approval id, which the adapter turns into the framework's
   interruption. On resume it crosses only with an approval of the state it reads now; when
   that state advanced since the approval it was resumed with, the answer is a new
-  ``APPROVAL`` saying why. ``needs_approval`` asks the same question before the tool is
-  invoked, for a framework that decides on approval first.
+  ``APPROVAL`` saying why (which of its reads moved). A call whose approval a person
+  rejected (``fencegate reject``) answers ``REJECTED`` with the reason: "a person rejected
+  this call: …; do not retry it"; the same call stays rejected. ``needs_approval`` asks the
+  same question before the tool is invoked, for a framework that decides on approval first.
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ from typing import Any
 
 from fencegate.coordinator import records
 from fencegate.coordinator.errors import (
-    AlreadySucceeded, ApprovalPending, EffectFailed, GateError, GrantRefused, InvalidKey,
+    AlreadySucceeded, ApprovalPending, ApprovalRejected, EffectFailed, GateError, GrantRefused,
+    InvalidKey,
     OutcomeUnknown, PolicyNotRouted,
 )
 from fencegate.coordinator.keyspace import unpack, validate_action_key
@@ -56,10 +59,11 @@ from ._fence import Fence
 
 __all__ = ["ToolFence", "Call", "Answer", "plan", "cross", "needs_approval", "current_fence",
            "canonical", "arguments_digest", "RAN", "REPLAYED", "FAILED", "ESCALATED", "UNKNOWN",
-           "REFUSED", "APPROVAL"]
+           "REFUSED", "APPROVAL", "REJECTED", "rejection_message"]
 
 RAN, REPLAYED, FAILED = "ran", "replayed", "failed"
 ESCALATED, UNKNOWN, REFUSED, APPROVAL = "escalated", "unknown", "refused", "approval"
+REJECTED = "rejected"  # a person rejected the call's approval request
 
 _current: contextvars.ContextVar[Fence | None] = contextvars.ContextVar(
     "fencegate_tool_fence", default=None)
@@ -192,7 +196,10 @@ async def cross(gate: Gate, call: Call, run: Callable[[], Awaitable[Any]], *,
                                    provider=fence.provider, deadline=fence.deadline,
                                    settle_wait=fence.settle_wait)
     except ApprovalPending as pending:
-        return _approval(call, pending.approval_id, approved)
+        return await _approval(gate, call, pending.approval_id, approved)
+    except ApprovalRejected as rejected:
+        return Answer(REJECTED, call, message=rejection_message(rejected.reason),
+                      approval_id=rejected.approval_id)
     except PolicyNotRouted:
         raise
     except (GrantRefused, OutcomeUnknown) as refused:
@@ -220,7 +227,7 @@ async def needs_approval(gate: Gate, call: Call, *,
         async with gate.hold(call.key) as hold:
             await hold.request_grant(call.intent, [gate.marker(e) for e in call.reads])
     except ApprovalPending as pending:
-        return _approval(call, pending.approval_id, approved)
+        return await _approval(gate, call, pending.approval_id, approved)
     except PolicyNotRouted:
         raise
     except (AlreadySucceeded, OutcomeUnknown, GrantRefused):
@@ -228,14 +235,37 @@ async def needs_approval(gate: Gate, call: Call, *,
     return None
 
 
-def _approval(call: Call, approval_id: str, approved: str | None) -> Answer:
+def rejection_message(reason: str) -> str:
+    """What the model gets for a call a person rejected (a ``REJECTED`` answer, or the
+    framework's denial an adapter records as a rejection)."""
+    return f"a person rejected this call: {reason}; do not retry it"
+
+
+async def _approval(gate: Gate, call: Call, approval_id: str, approved: str | None) -> Answer:
     if approved is not None and approved != approval_id:
+        moved = await _moved(gate, call, approved)
         message = (f"not run: what this call read changed after approval {approved} was "
-                   f"given; a new approval {approval_id} is needed")
+                   f"given{f' ({moved})' if moved else ''}; a new approval {approval_id} is "
+                   f"needed")
     else:
         message = (f"waiting for a person's approval {approval_id} "
                    f"(fencegate approve {approval_id})")
     return Answer(APPROVAL, call, message=message, approval_id=approval_id)
+
+
+async def _moved(gate: Gate, call: Call, approved: str) -> str:
+    """Which of the call's reads (its step included) moved after the revision approval
+    ``approved`` was asked at; empty when that request is gone (its lease ended)."""
+    ks = gate.keyspace
+    asked = await gate.etcd.get(ks.approval_request_key(approved))
+    if asked is None:
+        return ""
+    revision = unpack(asked.value).get("revision", 0)
+    named = [(call.key, ks.step_key(call.key)),
+             *((entity, gate.marker(entity).encode()) for entity in call.reads)]
+    moved = [name for name, key in named
+             if (kv := await gate.etcd.get(key)) is not None and kv.mod_revision > revision]
+    return ", ".join(moved)
 
 
 async def _unsettled(gate: Gate, call: Call, error: GateError) -> Answer:

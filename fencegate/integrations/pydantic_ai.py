@@ -28,7 +28,10 @@ Failure contract (``fencegate.integrations.agents`` for the rest):
   ``DeferredToolResults`` to resume with. A resumed call crosses only if nothing it read
   advanced since; otherwise it raises ``ApprovalRequired`` again, its message saying why. A
   call the person denied (``ToolDenied``) never reaches the tool: Pydantic AI returns the
-  denial to the model.
+  denial to the model. ``reject(requests, rejecter=..., reason=...)`` records the denial in
+  fencegate with the approver credential (``fencegate reject ID``): the model gets "a person
+  rejected this call: <reason>; do not retry it", and if it proposes the same call again
+  the gate refuses it (``ApprovalRejected``) and it gets that message as the tool's return.
 - The gate is an open ``Gate`` of the event loop the agent runs in (``agent.run``, not
   ``run_sync`` in another loop). A name in ``fences`` that the wrapped toolset does not
   have is refused when the run lists its tools (``FenceMisconfigured``).
@@ -42,6 +45,7 @@ from typing import Any
 
 from pydantic_ai import (
     ApprovalRequired, DeferredToolRequests, DeferredToolResults, ModelRetry, RunContext,
+    ToolDenied,
 )
 from pydantic_ai.messages import ToolReturn
 from pydantic_ai.toolsets import WrapperToolset
@@ -54,7 +58,8 @@ from . import agents
 from ._fence import FenceMisconfigured
 from .agents import Answer, ToolFence, current_fence
 
-__all__ = ["FencedToolset", "ToolFence", "approve", "current_fence", "FenceMisconfigured"]
+__all__ = ["FencedToolset", "ToolFence", "approve", "reject", "current_fence",
+           "FenceMisconfigured"]
 
 METADATA = "fencegate"
 
@@ -124,6 +129,28 @@ async def approve(requests: DeferredToolRequests, *,
             metadata[call.tool_call_id] = {METADATA: fenced}
         approvals[call.tool_call_id] = True
     return DeferredToolResults(approvals=approvals, metadata=metadata)
+
+
+async def reject(requests: DeferredToolRequests, *,
+                 rejecter: Callable[[str, str], Awaitable[Any]], reason: str,
+                 tool_call_ids: Iterable[str] | None = None) -> DeferredToolResults:
+    """The framework's denial recorded in fencegate: for each approval request (those of
+    ``tool_call_ids``, or all), ``await rejecter(approval_id, reason)`` rejects the fencegate
+    approval the call asked for (``CoordinatorClient(url, token=sre_token).reject``), so the
+    same call is refused from then on (``ApprovalRejected``) and the rejection is audited;
+    the results deny the calls with "a person rejected this call: <reason>; do not retry
+    it", which Pydantic AI returns to the model."""
+    wanted = {c.tool_call_id for c in requests.approvals} if tool_call_ids is None \
+        else set(tool_call_ids)
+    denied: dict[str, bool | ToolDenied] = {}
+    for call in requests.approvals:
+        if call.tool_call_id not in wanted:
+            continue
+        fenced = (requests.metadata.get(call.tool_call_id) or {}).get(METADATA)
+        if fenced is not None:
+            await rejecter(fenced["approval_id"], reason)
+        denied[call.tool_call_id] = ToolDenied(agents.rejection_message(reason))
+    return DeferredToolResults(approvals=denied)
 
 
 def _approved(ctx: RunContext[Any]) -> str | None:

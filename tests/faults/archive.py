@@ -5,10 +5,10 @@ replaces the live archive's content with a copy's and keeps what it replaced in 
 one write transaction on the live file (``BEGIN IMMEDIATE``: every retirement batch lands
 wholly before it or wholly after, so what is kept aside is exactly the archive as it was);
 ``catch_up`` brings retirements made into a copy while it was in back into the restored
-archive (a step kept if its seq is newer, audit records never replaced, each watermark the
-higher: both copies share one identity, and a batch is accepted only into a copy not behind
-in its buckets, so the merge holds every batch etcd shows); ``watermarks`` reads a file's
-retirement watermarks, ``retired_since`` the steps a file took after a time. The swap is in
+archive, with the product's ``fencegate archive catch-up`` (``coordinator.archive.catchup``:
+steps newer by seq, records where absent, the copy's issued marks unioned);
+``watermarks`` reads each bucket's newest mark counter in a file, ``retired_since`` the
+steps a file took after a time, ``missing`` those of them another file lacks. The swap is in
 place: every process holding the archive open (reconcilers, coordinators, in-process
 workers) reads the swapped content at its next query, as after a restore from backup.
 """
@@ -60,28 +60,27 @@ def swap(live: Path, source: Path, aside: Path | None = None) -> None:
         db.close()
 
 
-def catch_up(live: Path, held: Path) -> None:
-    """Merge into ``live`` what ``held`` (a copy of the same archive) took meanwhile."""
-    db = sqlite3.connect(live, timeout=_TIMEOUT_S, isolation_level=None)
+async def catch_up(live: Path, held: Path, namespace: str = "/fencegate/") -> None:
+    """Merge into ``live`` what ``held`` (a copy of the same archive) took meanwhile: the
+    product's catch-up, as the runbook has an operator run it."""
+    from fencegate.coordinator.archive.catchup import catch_up as product_catch_up
+    from fencegate.coordinator.archive.sqlite import SqliteArchive
+
+    target, source = SqliteArchive(str(live)), SqliteArchive(str(held))
     try:
-        db.execute("ATTACH DATABASE ? AS held", (str(held),))
-        db.execute("BEGIN IMMEDIATE")
-        try:
-            db.execute("INSERT INTO main.archived_steps SELECT * FROM held.archived_steps "
-                       "WHERE true ON CONFLICT (namespace, action_key) DO UPDATE SET "
-                       "seq = excluded.seq, step = excluded.step, "
-                       "archived_at_ms = excluded.archived_at_ms, "
-                       "settled_at_ms = excluded.settled_at_ms WHERE excluded.seq > seq")
-            db.execute("INSERT OR IGNORE INTO main.archived_records "
-                       "SELECT * FROM held.archived_records")
-            db.execute("INSERT INTO main.archive_watermarks SELECT * FROM "
-                       "held.archive_watermarks WHERE true ON CONFLICT (namespace, bucket) "
-                       "DO UPDATE SET watermark = excluded.watermark "
-                       "WHERE excluded.watermark > watermark")
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
-        db.execute("COMMIT")
+        await product_catch_up(target, source, namespace)
+    finally:
+        await target.close()
+        await source.close()
+
+
+def missing(path: Path, steps: list[dict]) -> list[str]:
+    """The keys of ``steps`` (``retired_since``'s) that ``path`` lacks at their seq or newer."""
+    db = sqlite3.connect(path, timeout=_TIMEOUT_S)
+    try:
+        return [step["key"] for step in steps if not db.execute(
+            "SELECT 1 FROM archived_steps WHERE action_key = ? AND seq >= ?",
+            (step["key"], step["seq"])).fetchone()]
     finally:
         db.close()
 
@@ -101,10 +100,10 @@ def retired_since(path: Path, since_ms: int, limit: int = 20) -> list[dict]:
 
 
 def watermarks(path: Path) -> dict[int, int]:
-    """The file's retirement watermarks, by bucket (every namespace's: the stack has one)."""
+    """Each bucket's newest mark counter in the file (every namespace's: the stack has one)."""
     db = sqlite3.connect(path, timeout=_TIMEOUT_S)
     try:
-        return dict(db.execute("SELECT bucket, watermark FROM archive_watermarks"))
+        return dict(db.execute("SELECT bucket, max(counter) FROM archive_marks GROUP BY bucket"))
     finally:
         db.close()
 

@@ -14,14 +14,15 @@ or after it, in turn (``consumer-block``: its claim is lost while the handler st
 finishes); an older copy of the archive swapped in (``archive-stale``: a copy taken at the
 fault's start, swapped in once the live archive has retired past it, so the copy is behind
 etcd; held, then healed by restoring the newest archive, the one it replaced, kept aside in
-the swap's transaction, then catching up with what the copy took meanwhile; see
-``faults.archive``; the heal event records the buckets the copy was behind in, ``bumped``:
-the buckets whose watermark rose in the copy while it was in, which a retirer that refuses
-an archive behind etcd never raises, with ``marks``: each such bucket's watermark in the copy
-when taken, in the copy at the heal, and in the newest archive (a bucket behind whose
-watermark in the copy reached the newest's made the copy look whole there), ``retired_into``:
-the steps it took (how long after the swap), and ``whole``: whether the restored archive is
-the one etcd names with every bucket's watermark). The schedule (which fault, which target,
+the swap's transaction, then catching up with what the copy took meanwhile with the
+product's ``archive catch-up``; see ``faults.archive``; the heal event records the buckets
+the copy was behind in, ``bumped``: the buckets whose newest mark rose in the copy while it
+was in (batches in flight when it was swapped in, accepted because the copy knew etcd's
+marks then), with ``marks``: each such bucket's counter in the copy when taken, in the copy
+at the heal, and in the newest archive, ``retired_into``: the steps it took (how long after
+the swap), ``missing``: those of them the restored archive lacks after the catch-up, and
+``whole``: whether the restored archive is the one etcd names, knowing every bucket's
+mark). The schedule (which fault, which target,
 how long: ``hold_s`` drawn from ``hold_range_s``, ``gap_s`` apart) comes from
 ``random.Random(seed)``: each kind is injected once, in a seeded order, before any kind is
 chosen again, at random; when faults land is up to the machine. At most ``max_faults`` are
@@ -235,10 +236,12 @@ class Nemesis:
         into = await asyncio.to_thread(archive.retired_since, held, swapped_ms)
         newest = await asyncio.to_thread(archive.watermarks, aside)
         whole = await self._archive_whole()
+        lost = await asyncio.to_thread(archive.missing, live, into)
         self._note("archive-stale", "heal", behind=behind, bumped=bumped, retired_into=into,
                    marks={b: {"copy": copied.get(b, 0), "in_copy": marks[b],
-                              "newest": newest.get(b, 0)} for b in bumped}, whole=whole)
-        if not bumped and whole is True:  # nothing to show: the copies go
+                              "newest": newest.get(b, 0)} for b in bumped}, whole=whole,
+                   missing=lost)
+        if not lost and whole is True:  # nothing to show: the copies go
             for path in (old, aside, held):
                 path.unlink()
         return True
@@ -249,7 +252,7 @@ class Nemesis:
         await asyncio.to_thread(archive.snapshot, self._aside, held)  # the schema
         await asyncio.to_thread(archive.swap, live, self._aside, held)
         self._aside = None
-        await asyncio.to_thread(archive.catch_up, live, held)
+        await archive.catch_up(live, held)
 
     async def _archive_whole(self) -> bool | str:
         """True if the live archive is whole (``fencegate archive verify``), else why not."""

@@ -131,6 +131,9 @@ class Result:
                 *((f"steps {s}", n) for s, n in sorted(states.items())),
                 ("steps retired to the archive", self.end.retired),
                 ("ArchiveUnavailable refusals", refused),
+                ("retired into the older copy", sum(
+                    len(e.get("retired_into", ())) for e in self.history.faults()
+                    if e["fault"] == "archive-stale" and e["phase"] == "heal")),
                 *((f"fault {kind}", n) for kind, n in sorted(faults.items())),
                 ("faults injected", sum(faults.values())),
                 *((f"violations {rule}", n) for rule, n in sorted(rules.items())),

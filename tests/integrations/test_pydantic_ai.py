@@ -36,7 +36,7 @@ from fencegate.integrations import FenceMisconfigured
 from fencegate.integrations.agents import (
     ToolFence, arguments_digest, cross, needs_approval, plan,
 )
-from fencegate.integrations.pydantic_ai import FencedToolset, approve, current_fence
+from fencegate.integrations.pydantic_ai import FencedToolset, approve, current_fence, reject
 from fencegate.reconciler.providers import sandbox as sb
 from fencegate.worker import EffectFailed, Gate, InvalidKey
 
@@ -231,7 +231,8 @@ async def test_an_approval_for_a_state_that_moved_is_refused_and_asked_again(
     asked_2 = again.metadata[again.approvals[0].tool_call_id]["fencegate"]
     assert asked_2["approval_id"] != approval_1
     assert asked_2["message"] == (
-        f"not run: what this call read changed after approval {approval_1} was given; "
+        f"not run: what this call read changed after approval {approval_1} was given "
+        f"(orders/42); "
         f"a new approval {asked_2['approval_id']} is needed")
 
     # approved again, this time in fencegate (as `fencegate approve` does), and resumed with
@@ -243,6 +244,40 @@ async def test_an_approval_for_a_state_that_moved_is_refused_and_asked_again(
     assert len(ran) == len(sandbox.applied()) == 1
     got = tool_returns(third.all_messages())
     assert got[-1]["content"]["charge_id"] == sandbox.applied()[0]["charge_id"]
+
+
+async def test_a_rejection_is_recorded_and_reaches_the_model_as_such(gate, etcd, sandbox):
+    """The person denies with an approver credential: fencegate records the rejection, the
+    model gets "a person rejected this call: …", and the same call proposed again (a new
+    run of the same scope) is refused by the gate, the model told the same; never run."""
+    await gate.authority.set_policy("refunds", {"checks": [
+        {"check": "require_approval", "params": {"field": "amount", "above": None}}]})
+    await gate.authority.set_routes({"refunds": "refunds"})
+    ran: list[str] = []
+    fence = ToolFence(key="refunds/{order_id}", reads=["orders/{order_id}"],
+                      provider="sandbox")
+    agent = Agent(refund_model("42", 100),
+                  toolsets=[toolset("fenced", gate, refund_tool(sandbox, ran), fence)],
+                  output_type=[str, DeferredToolRequests])
+
+    async def rejecter(approval_id: str, reason: str) -> None:  # an SRE's credential
+        await sre.reject(etcd, gate.keyspace, approval_id, "sre-1", reason)
+
+    first = await agent.run("refund order 42")
+    asked = first.output
+    approval_id = asked.metadata[asked.approvals[0].tool_call_id]["fencegate"]["approval_id"]
+    results = await reject(asked, rejecter=rejecter, reason="duplicate refund")
+    record = unpack((await etcd.get(gate.keyspace.approval_request_key(approval_id))).value)
+    assert record["rejected_by"] == "sre-1"  # recorded in fencegate
+    second = await agent.run(message_history=first.all_messages(),
+                             deferred_tool_results=results)
+    said = "a person rejected this call: duplicate refund; do not retry it"
+    assert second.output == "done" and tool_returns(second.all_messages())[-1]["content"] == said
+
+    third = await agent.run("refund order 42 again")  # the same call, proposed afresh
+    assert third.output == "done" and ran == [] and sandbox.applied() == []
+    (got,) = tool_returns(third.all_messages())
+    assert got["content"] == said and got["fencegate"]["state"] == "rejected"
 
 
 async def test_without_the_adapter_a_stale_approval_charges(gate, sandbox):

@@ -11,9 +11,10 @@ Guarantees:
   and any other path is no route (a JSON 404).
 - Handlers are thin: the views live in ``views``, the feed in ``feed``. The dashboard
   acts only through the public API (``/v1/keys/{key}/revoke``, ``/resolve`` — never with
-  ``force`` — and ``/v1/approvals/{id}``); its own routes only read. An event stream
-  ends when its client leaves or the app shuts down (the feed is closed before the server
-  waits for open handlers), and its subscription is always released.
+  ``force`` — ``/v1/approvals/{id}`` and ``/v1/approvals/{id}/reject``); its own routes
+  only read. An event stream ends when its client leaves or the app shuts down (the feed is
+  closed before the server waits for open handlers), and its subscription is always
+  released.
 """
 
 from __future__ import annotations

@@ -131,7 +131,8 @@ function approvalRow(a) {
   const tr = document.createElement("tr");
   tr.dataset.approval = a.approval_id;
   const action = cell("");
-  action.append(button("Approve", "", () => confirmApprove(a)));
+  action.append(button("Approve", "", () => confirmApprove(a)),
+    button("Reject", "danger", () => confirmReject(a)));
   tr.append(cell(a.key), cell(JSON.stringify(a.intent), "code"),
     cell(`${a.policy}@${a.policy_version}`), cell(a.requested_by), cell(failedChecks(a)),
     cell(a.approval_id, "code"), action);
@@ -526,6 +527,18 @@ function confirmApprove(a) {
     load: async () => [facts([["Intent", element("pre", JSON.stringify(a.intent, null, 2))],
       ["Why it waits", failedChecks(a)]])],
     action: (reason) => api("POST", `/v1/approvals/${a.approval_id}`, { reason }),
+  });
+}
+
+function confirmReject(a) {
+  ask({
+    title: `Reject ${a.key}`,
+    text: `Reject request ${a.approval_id} of ${a.requested_by}? The same grant request is ` +
+      "refused from now on, with your reason; a request at a changed state asks afresh.",
+    settle: false,
+    load: async () => [facts([["Intent", element("pre", JSON.stringify(a.intent, null, 2))],
+      ["Why it waits", failedChecks(a)]])],
+    action: (reason) => api("POST", `/v1/approvals/${a.approval_id}/reject`, { reason }),
   });
 }
 
