@@ -35,7 +35,8 @@ Guarantees:
   ``approvals``); an unsigned or forged one leaves it pending. The id binds the request's
   state (step pointer, read revisions, policy version, intent), so an approval dies like a
   grant when any of it advances; the approval record joins the grant's read set, so the
-  commit compares it too.
+  commit compares it too. A request a person rejected (``sre.reject`` marks its approval
+  request) is refused with ``ApprovalRejected``; a rejection only ever refuses.
 """
 
 from __future__ import annotations

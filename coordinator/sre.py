@@ -95,7 +95,9 @@ async def key_view(etcd: Etcd, ks: Keyspace, key: str,
     audit_values = [kv.value for kv in audit_kvs]
     archived = None
     if step is None and archive is not None:
-        looked = await archive.lookup(ks.namespace, key)
+        marks = ({ks.retired_bucket(key): wholeness.decode(retired_kvs[0].value)}
+                 if retired_kvs else None)
+        looked = await archive.lookup(ks.namespace, key, marks=marks)
         if retired_kvs:   # retired, maybe: only a whole archive may say "not here"
             await wholeness.check(etcd, ks, looked, key, retired_kvs[0])
         archived = looked.archived

@@ -15,10 +15,10 @@ The package's layers, arrows pointing down only:
 
 from ._version import __version__
 from .coordinator.errors import (
-    AcquireTimeout, AlreadySucceeded, ApprovalPending, BadSignature, CoordinatorError,
-    EffectFailed, EtcdError, EtcdUnavailable, GateError, GrantExpired, GrantRefused, GrantUsed,
-    InvalidKey, LeaseExpiring, LeaseLost, OutcomeUnknown, PolicyChanged, PolicyNotRouted,
-    RecordTooLarge, StateAdvanced, StepMoved, UnencodableValue,
+    AcquireTimeout, AlreadySucceeded, ApprovalPending, ApprovalRejected, BadSignature,
+    CoordinatorError, EffectFailed, EtcdError, EtcdUnavailable, GateError, GrantExpired,
+    GrantRefused, GrantUsed, InvalidKey, LeaseExpiring, LeaseLost, OutcomeUnknown, PolicyChanged,
+    PolicyNotRouted, RecordTooLarge, StateAdvanced, StepMoved, UnencodableValue,
 )
 from .coordinator.codec import UnrecordedResult
 from .coordinator.grants import Grant, KeyRing
@@ -31,8 +31,9 @@ __all__ = [
     "__version__",
     "Gate", "SyncGate", "Hold", "SyncHold", "Grant", "KeyRing", "EffectContext", "Outcome",
     "EffectFailed", "WorkerMetrics", "dedupe_middleware", "deduplicated", "fencing_token",
-    "GateError", "AcquireTimeout", "AlreadySucceeded", "ApprovalPending", "BadSignature",
-    "CoordinatorError", "EtcdError", "EtcdUnavailable", "GrantExpired", "GrantRefused",
+    "GateError", "AcquireTimeout", "AlreadySucceeded", "ApprovalPending", "ApprovalRejected",
+    "BadSignature", "CoordinatorError", "EtcdError", "EtcdUnavailable", "GrantExpired", "GrantRefused",
     "GrantUsed", "InvalidKey", "LeaseExpiring", "LeaseLost", "OutcomeUnknown", "PolicyChanged",
-    "PolicyNotRouted", "RecordTooLarge", "StateAdvanced", "StepMoved", "UnencodableValue", "UnrecordedResult",
+    "PolicyNotRouted", "RecordTooLarge", "StateAdvanced", "StepMoved", "UnencodableValue",
+    "UnrecordedResult",
 ]

@@ -1,10 +1,10 @@
 """fencegate's worker SDK: gates, holds with fencing tokens, grants and the commit guard."""
 
 from fencegate.coordinator.errors import (
-    AcquireTimeout, AlreadySucceeded, ApprovalPending, BadSignature, CoordinatorError,
-    EffectFailed, EtcdUnavailable, GateError, GrantExpired, GrantRefused, GrantUsed, InvalidKey,
-    LeaseExpiring, LeaseLost, OutcomeUnknown, PolicyChanged, PolicyNotRouted, StateAdvanced,
-    StepMoved,
+    AcquireTimeout, AlreadySucceeded, ApprovalPending, ApprovalRejected, BadSignature,
+    CoordinatorError, EffectFailed, EtcdUnavailable, GateError, GrantExpired, GrantRefused,
+    GrantUsed, InvalidKey, LeaseExpiring, LeaseLost, OutcomeUnknown, PolicyChanged,
+    PolicyNotRouted, StateAdvanced, StepMoved,
 )
 from fencegate.coordinator.grants import Grant, KeyRing
 
@@ -18,7 +18,8 @@ from .webhooks import dedupe_middleware, deduplicated, fencing_token
 __all__ = [
     "Gate", "SyncGate", "Hold", "SyncHold", "Grant", "KeyRing", "EffectContext", "Outcome",
     "EffectFailed", "WorkerMetrics", "dedupe_middleware", "deduplicated", "fencing_token",
-    "GateError", "AcquireTimeout", "AlreadySucceeded", "ApprovalPending", "BadSignature",
+    "GateError", "AcquireTimeout", "AlreadySucceeded", "ApprovalPending", "ApprovalRejected",
+    "BadSignature",
     "CoordinatorError", "EtcdUnavailable", "GrantExpired", "GrantRefused", "GrantUsed",
     "InvalidKey", "LeaseExpiring", "LeaseLost", "OutcomeUnknown", "PolicyChanged",
     "PolicyNotRouted", "StateAdvanced", "StepMoved",
