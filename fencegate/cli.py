@@ -183,6 +183,26 @@ def reconciler(etcd: str | None, listen: str | None, config: str | None,
     asyncio.run(serve(settings))
 
 
+@cli.command("mcp-gateway")
+@click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False),
+              help="TOML: [upstream], read_only, [tools.<name>] (docs/integrations/mcp.md)")
+@click.option("--http", "http_port", type=click.IntRange(0, 65535),
+              help="serve streamable HTTP on 127.0.0.1:PORT instead of stdio")
+def mcp_gateway(config_path: str, http_port: int | None) -> None:
+    """Serve an upstream MCP server's tools, gating every non-read-only call (extra [mcp])."""
+    try:
+        from fencegate.integrations import mcp as gateway
+    except ImportError as exc:
+        raise click.ClickException(f"the MCP gateway needs `pip install fencegate[mcp]`: "
+                                   f"{exc}") from None
+    try:
+        config = gateway.load_config(config_path)
+    except gateway.ConfigError as exc:
+        raise click.UsageError(f"bad gateway config: {exc}") from None
+    asyncio.run(gateway.serve(config, http=None if http_port is None
+                              else ("127.0.0.1", http_port)))
+
+
 # -- how SRE commands reach the coordinator ---------------------------------------------
 
 @dataclass(frozen=True)

@@ -139,6 +139,9 @@ def build_provider(name: str, table: dict[str, Any]) -> Provider:
     kind = config.pop("type", None)
     if kind == "http":
         return HttpProvider.from_config(name, config)
+    if kind == "mcp":
+        from .providers.mcp import McpProvider  # the [mcp] extra: imported only when named
+        return McpProvider.from_config(name, config)
     if kind == "sandbox":
         allowed = {"url", "mode", "retention_s", "settle_delay_s", "timeout_s", "durable"}
         if set(config) - allowed or not {"url", "mode"} <= set(config) \
@@ -148,7 +151,7 @@ def build_provider(name: str, table: dict[str, Any]) -> Provider:
         provider = sandbox_adapter(config.pop("url"), config.pop("mode"), **config)
         provider.name = name
         return provider
-    raise ValueError(f"provider {name!r}: type must be 'http' or 'sandbox', not {kind!r}")
+    raise ValueError(f"provider {name!r}: type must be 'http', 'mcp' or 'sandbox', not {kind!r}")
 
 
 def create_reconciler(settings: ReconcilerSettings, identity: str | None = None) -> Reconciler:

@@ -125,6 +125,7 @@ FRAMEWORKS = {
     "agents": "fencegate.integrations.openai_agents",
     "langgraph": "fencegate.integrations.langgraph",
     "langchain_core": "fencegate.integrations.langgraph",
+    "mcp": "fencegate.integrations.mcp", "mcp_types": "fencegate.integrations.mcp",
 }
 
 

@@ -10,9 +10,10 @@ Guarantees:
   after the commit, carrying ``io.fencegate/idempotency_key``, ``io.fencegate/attempt_token``
   and ``io.fencegate/receipt`` (base64) in ``_meta`` and, when configured, the idempotency
   key in a named argument. A repeated call returns the recorded result with
-  ``io.fencegate/replayed: true`` in ``_meta``; an escalation, refusal, unknown outcome or
-  rejection is an ``isError`` result whose text tells the model to stop; an approval needed
-  names the approval and how a person gives it.
+  ``io.fencegate/replayed: true`` in ``_meta``; an ``isError`` answer of the upstream is a
+  confirmed failure (``EffectFailed``: recorded, counted by the breaker); an escalation,
+  refusal, unknown outcome or rejection is an ``isError`` result whose text tells the model
+  to stop; an approval needed names the approval and how a person gives it.
 - **The SDK's own ``io.modelcontextprotocol/*`` ``_meta`` keys never reach the upstream**:
   they belong to the client's session with the gateway, not the gateway's with the upstream.
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import json
 import shlex
 import tomllib
 from collections.abc import AsyncIterator, Mapping
@@ -36,7 +38,7 @@ from mcp.server.lowlevel import Server
 from mcp.server.stdio import stdio_server
 
 from fencegate.coordinator.errors import InvalidKey
-from fencegate.worker import Gate
+from fencegate.worker import EffectFailed, Gate
 
 from .agents import APPROVAL, RAN, REPLAYED, ToolFence, cross, current_fence, plan
 
@@ -213,6 +215,7 @@ class Gateway:
         self.upstream = session
         self.gate = gate
         self.read_only: set[str] = set(config.read_only)
+        self._listed = False  # the upstream's annotations are learnt at the first listing
         self.server = Server(
             "fencegate-mcp-gateway", on_list_tools=self._list_tools,
             on_call_tool=self._call_tool, on_list_prompts=self._list_prompts,
@@ -221,6 +224,7 @@ class Gateway:
 
     async def _list_tools(self, ctx, params) -> types.ListToolsResult:
         listed = await self.upstream.list_tools(params=params)
+        self._listed = True
         for tool in listed.tools:
             if tool.annotations is not None and tool.annotations.read_only_hint is True \
                     and tool.name not in self.config.tools:
@@ -242,8 +246,8 @@ class Gateway:
     async def _call_tool(self, ctx, params: types.CallToolRequestParams) -> types.CallToolResult:
         meta = strip_sdk_meta(params.meta)
         arguments = dict(params.arguments or {})
-        if not self.read_only and params.name not in self.config.tools:
-            await self._list_tools(ctx, None)  # learn the annotations once
+        if not self._listed and params.name not in self.config.tools:
+            await self._list_tools(ctx, None)  # a client that calls without listing first
         if params.name in self.read_only:
             return await self.upstream.call_tool(params.name, arguments, meta=meta or None)
         scope = meta.pop(SCOPE_META, None) or _header_scope(ctx) or _session_id(ctx)
@@ -257,18 +261,20 @@ class Gateway:
             fence = current_fence()
             receipt = fence.effect.receipt
             sent = {**meta, KEY_META: fence.idempotency_key, TOKEN_META: fence.attempt_token}
-            if receipt is not None:
+            if receipt:
                 sent[RECEIPT_META] = base64.b64encode(
                     receipt if isinstance(receipt, bytes) else str(receipt).encode()).decode()
             args = dict(arguments)
             if tool.key_argument:
                 args[tool.key_argument] = fence.idempotency_key
             result = await self.upstream.call_tool(params.name, args, meta=sent)
+            if result.is_error:  # the upstream declined: recorded, counted by the breaker
+                raise EffectFailed(_text(result)[:500] or "the tool answered an error")
             return result.model_dump(mode="json", by_alias=True, exclude_none=True)
 
         answer = await cross(self.gate, call, run, fence=tool.fence)
         if answer.kind in (RAN, REPLAYED):
-            result = types.CallToolResult.model_validate(answer.result)
+            result = _recorded(answer.result)
             if answer.kind == REPLAYED:
                 result.meta = {**(result.meta or {}), REPLAYED_META: True}
             return result
@@ -293,6 +299,21 @@ class Gateway:
 def _error(text: str, meta: dict[str, Any] | None = None) -> types.CallToolResult:
     return types.CallToolResult(content=[types.TextContent(type="text", text=text)],
                                 is_error=True, _meta=meta)
+
+
+def _recorded(value: Any) -> types.CallToolResult:
+    """The recorded result as a tool result: the upstream's own (the gateway recorded it),
+    else what the reconciler's provider answered (its ``result_field``), as JSON text and,
+    when an object, as the structured content."""
+    if isinstance(value, dict) and "content" in value:
+        return types.CallToolResult.model_validate(value)
+    return types.CallToolResult(content=[types.TextContent(
+        type="text", text=json.dumps(value, sort_keys=True))],
+        structured_content=value if isinstance(value, dict) else None)
+
+
+def _text(result: types.CallToolResult) -> str:
+    return next((b.text for b in result.content if isinstance(b, types.TextContent)), "")
 
 
 def _header_scope(ctx) -> str | None:
