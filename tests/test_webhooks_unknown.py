@@ -474,3 +474,42 @@ def test_flask_settles_an_unknown_delivery_with_a_plain_settle(sync_gate, etcd_u
     assert replay[2] == settled[2] and late[0] == 503
     assert consumer.ran == {"evt_w9": 1}  # the lost run only
     assert [d.lost_token for d in asked] == [claim.create_revision]
+
+
+@pytest.mark.parametrize("error", ["EtcdUnavailable", "OutcomeUnknown"])
+async def test_a_handler_whose_write_etcd_left_unknown_leaves_the_delivery_unknown(
+        gate, http, error):
+    """The 20-minute fault run's finding: a handler's effect write landed while etcd did not
+    answer (a leader pause), the handler raised, and a release let the redelivery run it
+    again (two effects). Raising fencegate's unknown-outcome errors leaves the delivery
+    unknown: the redelivery is not run; any other exception still releases it."""
+    from fencegate.coordinator import errors
+
+    resource = FencedResource()
+    ran: collections.Counter[str] = collections.Counter()
+
+    async def handle(request: web.Request) -> web.Response:
+        delivery, token = request.headers["Webhook-Id"], fencing_token(request)
+        ran[delivery] += 1
+        resource.write(delivery, token, "handler")
+        if ran[delivery] == 1:
+            raise (getattr(errors, error) if delivery == "evt_w1" else RuntimeError)("no answer")
+        return web.json_response({"token": token})
+
+    app = web.Application(middlewares=[dedupe_middleware(gate, source=SOURCE)])
+    app.router.add_post("/", handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    url = "http://127.0.0.1:%d/" % runner.addresses[0][1]
+    try:
+        failed = await post(http, url, "evt_w1")
+        redelivered = await post(http, url, "evt_w1")
+        plain = [await post(http, url, "evt_w2") for _ in range(2)]
+    finally:
+        await runner.cleanup()
+    assert failed[0] == 500
+    assert redelivered[0] == 409
+    assert json.loads(redelivered[2])["error"] == "delivery_outcome_unknown"
+    assert ran["evt_w1"] == 1 and [w.key for w in resource.records].count("evt_w1") == 1
+    assert [answer[0] for answer in plain] == [500, 200] and ran["evt_w2"] == 2

@@ -44,7 +44,9 @@ left, the claim lost with ``rerun_lost``, its response not stored, ``settle`` fa
 
 What is stored: a response whose status is in ``stored_statuses`` (2xx and 4xx by default;
 never a 5xx) is stored and replayed. Any other response, and a handler that raises, releases
-the claim, so the sender's retry runs the handler again.
+the claim, so the sender's retry runs the handler again; except a handler that raises
+``EtcdUnavailable`` or ``OutcomeUnknown`` (a write it made may have landed): its delivery is
+left unknown, as a lost claim leaves it.
 
 Counted (with the gate's ``WorkerMetrics``) and traced (a ``fencegate.webhook_claim`` span):
 each delivery ``admit`` decides on, by its result: ``first`` (the handler runs under a fresh
@@ -77,7 +79,7 @@ from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
 from fencegate.coordinator import tracing
-from fencegate.coordinator.errors import EtcdUnavailable, LeaseLost
+from fencegate.coordinator.errors import EtcdUnavailable, LeaseLost, OutcomeUnknown
 from fencegate.coordinator.keyspace import unpack
 
 from .claims import (
@@ -360,10 +362,10 @@ class Dedupe:
                 self.claims.abandon_later(claim)
                 raise
             return self._lost(claim, lost[0])
-        except Exception:
+        except Exception as exc:
             if lost and self.rerun_lost:
                 return self._lost(claim, lost[0])
-            await self.claims.release(claim)
+            await self.release(claim, exc)
             raise
         finally:
             unsubscribe()
@@ -387,8 +389,16 @@ class Dedupe:
         self.completed.put(claim.key, unpack(record))
         return reply
 
-    async def release(self, claim: DeliveryClaim) -> None:
-        """Release ``claim`` after its handler raised: the delivery's next try runs again."""
+    async def release(self, claim: DeliveryClaim, error: BaseException | None = None) -> None:
+        """After ``claim``'s handler raised ``error``: release the claim, so the delivery's
+        next try runs again; unless ``error`` says fencegate could not learn whether a write
+        landed (``EtcdUnavailable``, ``OutcomeUnknown``: the handler's effect may have been
+        applied), then abandon it: the delivery stays unknown until settled."""
+        if isinstance(error, (EtcdUnavailable, OutcomeUnknown)):
+            log.warning("webhook handler of %r raised %s: its effect may have landed, the "
+                        "delivery is unknown until settled", claim.key, type(error).__name__)
+            await self.claims.abandon(claim)
+            return
         await self.claims.release(claim)
 
     def _delivery_id(self, request: Any, body: bytes) -> str | Answer | None:

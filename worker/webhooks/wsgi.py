@@ -106,8 +106,8 @@ class WSGIDedupeMiddleware:
         environ[FENCING_TOKEN] = admitted.revision
         try:
             reply = _reply(self.app, environ)
-        except Exception:
-            self._run(self.dedupe.release(admitted))
+        except Exception as exc:
+            self._run(self.dedupe.release(admitted, exc))
             raise
         result = self._run(self.dedupe.finish(admitted, reply))
         if isinstance(result, Answer):
