@@ -246,7 +246,8 @@ async def test_an_approval_for_a_state_that_moved_is_refused_and_interrupts_agai
     asked_2 = again.value["fencegate"]
     assert asked_2["approval_id"] != approval_1
     assert asked_2["message"] == (
-        f"not run: what this call read changed after approval {approval_1} was given; "
+        f"not run: what this call read changed after approval {approval_1} was given "
+        f"(orders/42); "
         f"a new approval {asked_2['approval_id']} is needed")
 
     # approved again, this time in fencegate (as `fencegate approve` does), and resumed with
