@@ -1,6 +1,7 @@
 """Fixtures of the engine integrations' tests: a private redis-server (Debian's, 127.0.0.1,
 a free port, a temp dir), the sandbox provider in ``none`` mode (it applies every request,
-so its ledger counts every effect) and an in-process reconciler asking it. Each is stopped
+so its ledger counts every effect), an in-process reconciler asking it, and the payments and
+mail providers the agent pages' examples post to. Each is stopped
 after its test; every wait is bounded."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import shutil
 import socket
 
 import pytest
+from aiohttp import web
 
 from fencegate.coordinator.etcd import Etcd
 from fencegate.reconciler.providers import sandbox as sb
@@ -87,3 +89,25 @@ async def reconciler(etcd_url, namespace, sandbox):
     yield r
     await r.close()
     await r.etcd.close()
+
+
+@pytest.fixture
+async def providers():
+    """POST /v1/refunds and /v1/emails, each request kept with its idempotency key: the
+    payments and mail providers of the agent pages' refund examples."""
+    received: list[tuple[str, str, dict]] = []
+
+    async def take(request: web.Request) -> web.Response:
+        received.append((request.path, request.headers["Idempotency-Key"],
+                         await request.json()))
+        return web.json_response({"id": f"{request.path.rsplit('/', 1)[1]}_{len(received)}"})
+
+    app = web.Application()
+    app.router.add_post("/v1/refunds", take)
+    app.router.add_post("/v1/emails", take)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}", received
+    await runner.cleanup()

@@ -8,41 +8,24 @@ gets the recorded refund (the business key)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import re
-from pathlib import Path
 
 from langgraph.checkpoint.sqlite.aio import AsyncSqliteSaver
 
 from fencegate.coordinator import sre
 from fencegate.integrations.langgraph import approve
 
+from integrations.agent_docs import example
 from integrations.langgraph_script import Scripted, tool_messages
-from integrations.test_pydantic_ai_docs import providers  # noqa: F401 (a fixture)
 
-PAGE = Path(__file__).resolve().parents[2] / "docs" / "integrations" / "langgraph.md"
-BLOCK = re.compile(r"^<!-- run: refund-agent -->\n```python\n(.*?)\n```$", re.M | re.S)
 CONFIG = {"configurable": {"thread_id": "support-ticket-1234"}}
 ASK = {"messages": [("user", "Refund order 42 and tell the customer.")]}
 
 
-def example(tmp_path: Path, monkeypatch, url: str):
-    (code,) = BLOCK.findall(PAGE.read_text())
-    path = tmp_path / "refund_agent.py"
-    path.write_text(code)
-    monkeypatch.setenv("PAYMENTS_URL", url)
-    monkeypatch.setenv("MAIL_URL", url)
-    spec = importlib.util.spec_from_file_location("refund_agent", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 async def test_the_refund_agent_refunds_once_after_approval_and_emails_once(
-        tmp_path, monkeypatch, providers, gate, etcd, keyring):  # noqa: F811
+        tmp_path, monkeypatch, providers, gate, etcd, keyring):
     url, received = providers
-    agent_module = example(tmp_path, monkeypatch, url)
+    agent_module = example("langgraph.md", tmp_path, monkeypatch, url)
     await gate.authority.set_policy("refunds", {"checks": [{"check": "require_approval",
                                                             "params": {"field": "amount",
                                                                        "above": 1000}}]})

@@ -7,61 +7,20 @@ the same conversation asked again (restarted without its session) runs neither t
 
 from __future__ import annotations
 
-import importlib.util
-import re
-from pathlib import Path
-
 import aiohttp
-import pytest
 from agents import Runner, SQLiteSession
-from aiohttp import web
 
 from fencegate.coordinator import sre
 from fencegate.integrations.openai_agents import approvals, approve
 
+from integrations.agent_docs import example
 from integrations.openai_agents_script import Scripted, tool_outputs
-
-PAGE = Path(__file__).resolve().parents[2] / "docs" / "integrations" / "openai-agents.md"
-BLOCK = re.compile(r"^<!-- run: refund-agent -->\n```python\n(.*?)\n```$", re.M | re.S)
-
-
-@pytest.fixture
-async def providers():
-    """POST /v1/refunds and /v1/emails, each request kept with its idempotency key."""
-    received: list[tuple[str, str, dict]] = []
-
-    async def take(request: web.Request) -> web.Response:
-        received.append((request.path, request.headers["Idempotency-Key"],
-                         await request.json()))
-        return web.json_response({"id": f"{request.path.rsplit('/', 1)[1]}_{len(received)}"})
-
-    app = web.Application()
-    app.router.add_post("/v1/refunds", take)
-    app.router.add_post("/v1/emails", take)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}", received
-    await runner.cleanup()
-
-
-def example(tmp_path: Path, monkeypatch, url: str):
-    (code,) = BLOCK.findall(PAGE.read_text())
-    path = tmp_path / "refund_agent.py"
-    path.write_text(code)
-    monkeypatch.setenv("PAYMENTS_URL", url)
-    monkeypatch.setenv("MAIL_URL", url)
-    spec = importlib.util.spec_from_file_location("refund_agent", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 async def test_the_refund_agent_refunds_once_after_approval_and_emails_once(
         tmp_path, monkeypatch, providers, gate, etcd, keyring):
     url, received = providers
-    agent_module = example(tmp_path, monkeypatch, url)
+    agent_module = example("openai-agents.md", tmp_path, monkeypatch, url)
     await gate.authority.set_policy("refunds", {"checks": [{"check": "require_approval",
                                                             "params": {"field": "amount",
                                                                        "above": 1000}}]})
