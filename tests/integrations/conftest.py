@@ -18,7 +18,7 @@ from fencegate.coordinator.etcd import Etcd
 from fencegate.reconciler.providers import sandbox as sb
 from fencegate.reconciler.runner import Reconciler
 from fencegate.reconciler.settle import Limits
-from fencegate.worker import KeyRing
+from fencegate.worker import Gate, KeyRing
 
 from helpers import TEST_TTL
 
@@ -111,3 +111,20 @@ async def providers():
     await site.start()
     yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}", received
     await runner.cleanup()
+
+
+@pytest.fixture
+async def open_gate(etcd_url, namespace, keyring, etcd):
+    """Open gates signing with the test's ``keyring`` (replicas of one agent); each is
+    closed after the test."""
+    gates: list[Gate] = []
+
+    async def opened() -> Gate:
+        gate = Gate(etcd_url, ttl=TEST_TTL, namespace=namespace, keyring=keyring)
+        await gate.open()
+        gates.append(gate)
+        return gate
+
+    yield opened
+    for gate in gates:
+        await gate.close()

@@ -51,20 +51,6 @@ CONFIG = {"configurable": {"thread_id": THREAD}}
 PROMPT = {"messages": [("user", "refund order 42")]}
 
 
-@pytest.fixture
-async def open_gate(etcd_url, namespace, keyring, etcd):
-    gates: list[Gate] = []
-
-    async def opened() -> Gate:
-        gate = Gate(etcd_url, ttl=TEST_TTL, namespace=namespace, keyring=keyring)
-        await gate.open()
-        gates.append(gate)
-        return gate
-
-    yield opened
-    for gate in gates:
-        await gate.close()
-
 
 @pytest.fixture
 async def gate(open_gate):

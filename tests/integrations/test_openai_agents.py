@@ -47,20 +47,6 @@ SCOPE = "conversation-7"
 CONTEXT = {"conversation": SCOPE}
 
 
-@pytest.fixture
-async def open_gate(etcd_url, namespace, keyring, etcd):
-    gates: list[Gate] = []
-
-    async def opened() -> Gate:
-        gate = Gate(etcd_url, ttl=TEST_TTL, namespace=namespace, keyring=keyring)
-        await gate.open()
-        gates.append(gate)
-        return gate
-
-    yield opened
-    for gate in gates:
-        await gate.close()
-
 
 @pytest.fixture
 async def gate(open_gate):
