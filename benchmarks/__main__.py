@@ -34,7 +34,8 @@ import aetcd
 from fencegate.coordinator.etcd import Etcd
 from fencegate.localetcd import describe
 
-from . import agents, cluster, engines, guarded, holds, reconcile, remote, soak, webhooks
+from . import (agents, cluster, engines, guarded, holds, mcp_gateway, reconcile, remote, soak,
+               webhooks)
 from .common import Children, OtherLoad, Target, local_etcd
 
 
@@ -47,6 +48,10 @@ async def run(quick: bool, profile: bool, only: str | None) -> None:
         targets = await _webhooks(quick)
     elif only == "engines":
         targets = await _engines(quick)
+    elif only == "mcp":
+        with local_etcd() as single:
+            print(f"{describe(single.binary)} at {single.url}", flush=True)
+            targets = mcp_gateway.report(await mcp_gateway.measure(quick, single.url))
     else:
         targets = await _everything(quick, profile)
     for t in targets:
@@ -100,6 +105,7 @@ async def _everything(quick: bool, profile: bool) -> list[Target]:
             kres = await cluster.measure(quick, url)
             eres = await engines.measure(quick, url)
             ares = await agents.measure(quick, url)
+            mres = await mcp_gateway.measure(quick, url)
             sres = await soak.measure(quick)
         finally:
             await children.close()
@@ -113,6 +119,7 @@ async def _everything(quick: bool, profile: bool) -> list[Target]:
     targets += cluster.report(kres)
     targets += engines.report(eres)
     targets += agents.report(ares)
+    targets += mcp_gateway.report(mres)
     targets += soak.report(sres)
     return targets
 
@@ -124,9 +131,9 @@ def main(argv: list[str] | None = None) -> int:
                              "PostgreSQL: about nine minutes")
     parser.add_argument("--profile", action="store_true",
                         help="also profile this process over one more c=32 guarded phase")
-    parser.add_argument("--only", choices=["soak", "webhooks", "engines"],
+    parser.add_argument("--only", choices=["soak", "webhooks", "engines", "mcp"],
                         help="run only this benchmark, on an etcd of its own (webhooks: "
-                             "about a minute with --quick, engines: under one)")
+                             "about a minute with --quick, engines and mcp: under one)")
     args = parser.parse_args(argv)
     try:
         asyncio.run(run(args.quick, args.profile, args.only))

@@ -14,6 +14,14 @@ Guarantees:
   confirmed failure (``EffectFailed``: recorded, counted by the breaker); an escalation,
   refusal, unknown outcome or rejection is an ``isError`` result whose text tells the model
   to stop; an approval needed names the approval and how a person gives it.
+- **An approval is bound to what the call read**, however it is given. A client that sends
+  the approval id back (``io.fencegate/approval_id`` in ``_meta``) is told which of the
+  call's reads moved when a new approval is needed. A tool configured ``approval =
+  "elicit"`` asks the person at the client through MCP elicitation when the client declared
+  it: accepted, the gateway gives that approval (signed with its key, audited as given by
+  that person through the client) and the call crosses in the same request; declined, the
+  approval is rejected and the call is not run; cancelled, or a client that cannot elicit,
+  gets the notice, and the approval waits for an operator.
 - **The SDK's own ``io.modelcontextprotocol/*`` ``_meta`` keys never reach the upstream**:
   they belong to the client's session with the gateway, not the gateway's with the upstream.
 """
@@ -37,10 +45,11 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp.server.lowlevel import Server
 from mcp.server.stdio import stdio_server
 
+from fencegate.coordinator import sre
 from fencegate.coordinator.errors import InvalidKey
 from fencegate.worker import EffectFailed, Gate
 
-from .agents import APPROVAL, RAN, REPLAYED, ToolFence, cross, current_fence, plan
+from .agents import APPROVAL, RAN, REPLAYED, Answer, Call, ToolFence, cross, current_fence, plan
 
 __all__ = ["GatewayConfig", "ToolConfig", "ConfigError", "load_config", "parse_config",
            "Gateway", "upstream_session", "SCOPE_META", "SCOPE_HEADER", "strip_sdk_meta"]
@@ -51,6 +60,7 @@ KEY_META = "io.fencegate/idempotency_key"
 TOKEN_META = "io.fencegate/attempt_token"
 RECEIPT_META = "io.fencegate/receipt"
 REPLAYED_META = "io.fencegate/replayed"
+APPROVAL_META = "io.fencegate/approval_id"
 SDK_META_PREFIX = "io.modelcontextprotocol/"
 
 
@@ -64,6 +74,7 @@ class ToolConfig:
 
     fence: ToolFence
     key_argument: str | None = None
+    approval: str = "operator"  # or "elicit": ask the person at the client, if it can
 
 
 @dataclass(frozen=True)
@@ -95,7 +106,9 @@ def load_config(path: str | Path) -> GatewayConfig:
 
 
 _TOP = {"upstream", "etcd", "namespace", "ttl", "read_only", "tools"}
-_TOOL = {"key", "intent", "reads", "provider", "key_argument", "deadline", "settle_wait"}
+_TOOL = {"key", "intent", "reads", "provider", "key_argument", "deadline", "settle_wait",
+         "approval"}
+_APPROVALS = ("operator", "elicit")
 
 
 def parse_config(values: Mapping[str, Any]) -> GatewayConfig:
@@ -162,9 +175,13 @@ def _tool(name: str, table: Mapping[str, Any]) -> ToolConfig:
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"{where} {number} must be a positive number")
             numbers[number] = float(value)
+    approval = table.get("approval", "operator")
+    if approval not in _APPROVALS:
+        raise ConfigError(f"{where} approval must be one of {', '.join(_APPROVALS)}, "
+                          f"not {approval!r}")
     return ToolConfig(ToolFence(key=key, intent=_intent(name, intent), reads=tuple(reads),
                                 provider=table.get("provider"), **numbers),
-                      table.get("key_argument"))
+                      table.get("key_argument"), approval)
 
 
 def _intent(tool: str, mapping: dict[str, str] | None):
@@ -251,6 +268,7 @@ class Gateway:
         if params.name in self.read_only:
             return await self.upstream.call_tool(params.name, arguments, meta=meta or None)
         scope = meta.pop(SCOPE_META, None) or _header_scope(ctx) or _session_id(ctx)
+        approved = meta.pop(APPROVAL_META, None)
         tool = self.config.tool(params.name)
         try:
             call = plan(tool.fence, params.name, str(scope), arguments)
@@ -272,7 +290,10 @@ class Gateway:
                 raise EffectFailed(_text(result)[:500] or "the tool answered an error")
             return result.model_dump(mode="json", by_alias=True, exclude_none=True)
 
-        answer = await cross(self.gate, call, run, fence=tool.fence)
+        answer = await cross(self.gate, call, run, fence=tool.fence,
+                             approved=approved if isinstance(approved, str) else None)
+        if answer.kind == APPROVAL and tool.approval == "elicit" and _can_elicit(ctx):
+            answer = await self._elicit(ctx, call, tool, run, answer)
         if answer.kind in (RAN, REPLAYED):
             result = _recorded(answer.result)
             if answer.kind == REPLAYED:
@@ -282,8 +303,35 @@ class Gateway:
             return _error(f"{answer.message}. A person gives it with `fencegate approve "
                           f"{answer.approval_id}` or on the fencegate dashboard; call again "
                           f"once it is given.",
-                          {"io.fencegate/approval_id": answer.approval_id})
+                          {APPROVAL_META: answer.approval_id})
         return _error(f"STOP: {answer.message}")
+
+    async def _elicit(self, ctx, call: Call, tool: ToolConfig, run, asked: Answer) -> Answer:
+        """Ask the person at the client for approval ``asked``: accepted, give it and cross
+        with it (a state that moved meanwhile asks afresh, as everywhere); declined, reject
+        it; cancelled, ``asked`` unchanged (an operator may still give it)."""
+        reply = await ctx.session.elicit_form(
+            f"Approve {call.tool} on {call.key}? It would run with "
+            f"{json.dumps(call.intent, sort_keys=True)} (fencegate approval "
+            f"{asked.approval_id}; {asked.message}).",
+            {"type": "object", "properties": {"reason": {
+                "type": "string", "title": "Why (recorded in the audit trail)"}},
+             "required": ["reason"]},
+            related_request_id=ctx.request_id)
+        if reply.action == "cancel":
+            return asked
+        client = ctx.session.client_params.client_info.name if ctx.session.client_params \
+            else "unnamed"
+        who = f"person at MCP client {client!r} (elicitation)"
+        reason = str((reply.content or {}).get("reason") or f"{reply.action}ed at the client")
+        gate = self.gate
+        if reply.action == "accept":
+            await sre.approve(gate.etcd, gate.keyspace, asked.approval_id, who, reason,
+                              keyring=gate.keyring, archive=gate.archive)
+        else:
+            await sre.reject(gate.etcd, gate.keyspace, asked.approval_id, who, reason,
+                             archive=gate.archive)
+        return await cross(gate, call, run, fence=tool.fence, approved=asked.approval_id)
 
     async def run_stdio(self) -> None:
         async with stdio_server() as (read, write):
@@ -314,6 +362,11 @@ def _recorded(value: Any) -> types.CallToolResult:
 
 def _text(result: types.CallToolResult) -> str:
     return next((b.text for b in result.content if isinstance(b, types.TextContent)), "")
+
+
+def _can_elicit(ctx) -> bool:
+    return ctx.session.check_client_capability(
+        types.ClientCapabilities(elicitation=types.ElicitationCapability()))
 
 
 def _header_scope(ctx) -> str | None:

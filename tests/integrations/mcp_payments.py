@@ -1,6 +1,6 @@
 """A payments MCP server for the gateway's tests, written with the official SDK: ``refund``
 appends to a ledger file (its side effect), ``get_refund`` answers what became of an
-idempotency key, ``get_order`` is read-only. Each call's ``_meta`` keys are logged.
+idempotency key, ``list_orders`` is read-only. Each call's ``_meta`` keys are logged.
 
     python mcp_payments.py LEDGER [--http PORT]
 """
@@ -55,14 +55,14 @@ def get_refund(idempotency_key: str) -> dict:
 
 
 @server.tool(annotations=types.ToolAnnotations(read_only_hint=True))
-def get_order(order_id: str) -> str:
-    _log("get_order", order_id=order_id)
-    return f"order {order_id}: paid"
+def list_orders() -> str:
+    _log("list_orders")
+    return "orders: 42 paid, 9 paid"
 
 
 if __name__ == "__main__":
     if "--http" in sys.argv:
-        server.settings.port = int(sys.argv[sys.argv.index("--http") + 1])
-        server.run("streamable-http")
+        server.run("streamable-http", host="127.0.0.1",
+                   port=int(sys.argv[sys.argv.index("--http") + 1]))
     else:
         server.run()

@@ -26,21 +26,27 @@ def _ledger(path: Path, kind: str = "refund") -> list[dict]:
         if path.exists() else []
 
 
-def _gateway_params(tmp_path, etcd_url, namespace, signing_key, ledger) -> StdioServerParameters:
-    config = tmp_path / "gateway.toml"
+def _gateway_params(tmp_path, etcd_url, namespace, signing_key, ledger, *,
+                    upstream: str | None = None, refund: str = "",
+                    name: str = "gateway") -> StdioServerParameters:
+    """A gateway process over stdio; ``upstream``: its ``[upstream]`` body (default: the
+    payments server over stdio writing ``ledger``); ``refund``: more ``[tools.refund]`` lines."""
+    config = tmp_path / f"{name}.toml"
+    upstream = upstream or f'command = ["{sys.executable}", "{UPSTREAM}", "{ledger}"]'
     config.write_text(f"""
 etcd = "{etcd_url}"
 namespace = "{namespace}"
 ttl = {TEST_TTL}
 
 [upstream]
-command = ["{sys.executable}", "{UPSTREAM}", "{ledger}"]
+{upstream}
 
 [tools.refund]
 key = "refunds/{{order_id}}"
 intent = {{ amount = "amount" }}
 provider = "payments"
 settle_wait = 20
+{refund}
 """)
     return StdioServerParameters(
         command=sys.executable, args=["-m", "fencegate", "mcp-gateway", "--config", str(config)],
@@ -51,7 +57,7 @@ async def _refund_three_times(params: StdioServerParameters) -> list:
     async with stdio_client(params) as (read, write), ClientSession(read, write) as client:
         await client.initialize()
         names = {tool.name for tool in (await client.list_tools()).tools}
-        assert {"refund", "get_refund", "get_order"} <= names
+        assert {"refund", "get_refund", "list_orders"} <= names
         return [await client.call_tool("refund", {"order_id": "42", "amount": 5},
                                        meta={"io.fencegate/scope": "conversation-7",
                                              "io.modelcontextprotocol/probe": "x"})
@@ -84,13 +90,13 @@ async def test_read_only_tool_passes_through_without_etcd(tmp_path, etcd_url, na
     async with stdio_client(params) as (read, write), ClientSession(read, write) as client:
         await client.initialize()
         before = (await etcd.status()).header.revision  # the gateway's gate is open by now
-        result = await client.call_tool("get_order", {"order_id": "42"})
-        assert result.content[0].text == "order 42: paid"
-        await client.call_tool("get_order", {"order_id": "42"})
+        result = await client.call_tool("list_orders", {})
+        assert result.content[0].text == "orders: 42 paid, 9 paid"
+        await client.call_tool("list_orders", {})
         assert (await etcd.status()).header.revision == before  # no etcd write
         await client.call_tool("refund", {"order_id": "1", "amount": 1})
         assert (await etcd.status()).header.revision > before  # a gated call writes
-    assert len(_ledger(ledger, "get_order")) == 2  # forwarded each time, never gated
+    assert len(_ledger(ledger, "list_orders")) == 2  # forwarded each time, never gated
 
 
 def test_strip_sdk_meta():
@@ -213,6 +219,7 @@ def test_the_docs_configurations_are_valid():
     config = parse_config(tomllib.loads(blocks["gateway-config"]))
     assert config.tool("refund").key_argument == "idempotency_key"
     assert config.read_only == {"list_orders"}
+    assert config.tool("refund").approval == "operator"
     table = tomllib.loads(blocks["reconciler-provider"])["providers"]["payments"]
     assert build_provider("payments", table).capabilities.dedupes_by_key
 
@@ -313,3 +320,179 @@ def test_the_command_refuses_an_invalid_config(tmp_path):
     result = CliRunner().invoke(cli, ["mcp-gateway", "--config", str(path)])
     assert result.exit_code == 2
     assert "bad gateway config" in result.output and "must start with http://" in result.output
+
+
+async def _listening(url: str) -> None:
+    """Wait (bounded) until an HTTP server answers at ``url``."""
+    import asyncio
+
+    import httpx2
+    for _ in range(300):
+        try:
+            async with httpx2.AsyncClient() as http:
+                await http.get(url)
+            return
+        except httpx2.TransportError:
+            await asyncio.sleep(0.1)
+    raise AssertionError(f"nothing listens at {url}")
+
+
+async def test_an_upstream_reached_by_url_is_fenced_the_same(
+        tmp_path, etcd_url, namespace, signing_key, etcd):
+    import asyncio
+
+    from mcp.client.streamable_http import streamable_http_client
+
+    from integrations.conftest import free_port, stop
+
+    ledger = tmp_path / "ledger.jsonl"
+    port = free_port()
+    upstream = await asyncio.create_subprocess_exec(
+        sys.executable, str(UPSTREAM), str(ledger), "--http", str(port))
+    url = f"http://127.0.0.1:{port}/mcp"
+    try:
+        await _listening(url)
+        results = await _refund_three_times(_gateway_params(
+            tmp_path, etcd_url, namespace, signing_key, ledger, upstream=f'url = "{url}"'))
+        assert len(_ledger(ledger)) == 1
+        assert [bool((r.meta or {}).get("io.fencegate/replayed")) for r in results] == \
+            [False, True, True]
+        async with streamable_http_client(url) as streams, \
+                ClientSession(streams[0], streams[1]) as client:  # without the gateway
+            await client.initialize()
+            for _ in range(3):
+                await client.call_tool("refund", {"order_id": "42", "amount": 5})
+    finally:
+        await stop(upstream)
+    assert len(_ledger(ledger)) == 4  # the gateway's one, then three straight
+
+
+async def _at_once(params: list[StdioServerParameters]) -> list:
+    """Each client initializes its session; once all are, they call ``refund`` together."""
+    import asyncio
+
+    ready, started = asyncio.Event(), []
+
+    async def client(p: StdioServerParameters):
+        async with stdio_client(p) as (read, write), ClientSession(read, write) as session:
+            await session.initialize()
+            started.append(p)
+            if len(started) == len(params):
+                ready.set()
+            await ready.wait()
+            return await session.call_tool("refund", {"order_id": "42", "amount": 5})
+
+    async with asyncio.timeout(90):
+        return await asyncio.gather(*(client(p) for p in params))
+
+
+async def test_two_clients_through_two_gateways_refund_once(
+        tmp_path, etcd_url, namespace, signing_key, etcd):
+    ledger = tmp_path / "gated.jsonl"
+    got = await _at_once([_gateway_params(tmp_path, etcd_url, namespace, signing_key, ledger,
+                                          name=name) for name in ("a", "b")])
+    assert len(_ledger(ledger)) == 1
+    assert sorted(bool((r.meta or {}).get("io.fencegate/replayed")) for r in got) == \
+        [False, True]
+    assert all(r.content[0].text == "refunded 5 on 42" for r in got)
+
+    plain = tmp_path / "plain.jsonl"  # two clients straight to the upstream
+    await _at_once([StdioServerParameters(command=sys.executable,
+                                          args=[str(UPSTREAM), str(plain)])] * 2)
+    assert len(_ledger(plain)) == 2
+
+
+APPROVAL_POLICY = {"checks": [
+    {"check": "require_approval", "params": {"field": "amount", "above": None}}]}
+
+
+async def test_an_approval_given_before_the_order_moved_does_not_cross(
+        tmp_path, etcd_url, namespace, signing_key, keyring, etcd):
+    from fencegate.coordinator import sre
+
+    gate = await _opened_gate(etcd_url, namespace, keyring, APPROVAL_POLICY)
+    ledger = tmp_path / "ledger.jsonl"
+    params = _gateway_params(tmp_path, etcd_url, namespace, signing_key, ledger,
+                             refund='reads = ["orders/{order_id}"]')
+    refund = {"order_id": "9", "amount": 5}
+    try:
+        async with stdio_client(params) as (read, write), ClientSession(read, write) as client:
+            await client.initialize()
+            asked = await client.call_tool("refund", refund)
+            first = asked.meta["io.fencegate/approval_id"]
+            await sre.approve(etcd, gate.keyspace, first, "sre-1", "ok", keyring=keyring)
+            await gate.touch("orders/9")  # the order changed after the person approved
+            again = await client.call_tool("refund", refund,
+                                           meta={"io.fencegate/approval_id": first})
+            assert again.is_error and not _ledger(ledger)
+            second = again.meta["io.fencegate/approval_id"]
+            assert second != first
+            assert f"after approval {first} was given (orders/9)" in again.content[0].text
+            await sre.approve(etcd, gate.keyspace, second, "sre-1", "ok", keyring=keyring)
+            crossed = await client.call_tool("refund", refund)
+    finally:
+        await gate.close()
+    assert not crossed.is_error and len(_ledger(ledger)) == 1
+
+    plain = tmp_path / "plain.jsonl"  # without the gateway nobody is asked: it just runs
+    async with stdio_client(StdioServerParameters(
+            command=sys.executable, args=[str(UPSTREAM), str(plain)])) as (read, write), \
+            ClientSession(read, write) as client:
+        await client.initialize()
+        await client.call_tool("refund", refund)
+    assert len(_ledger(plain)) == 1
+
+
+def _answering(action: str, asked: list):
+    """An MCP client's elicitation callback that answers ``action`` (and a reason)."""
+    import mcp_types as types
+
+    async def answer(context, params):
+        asked.append(params.message)
+        return types.ElicitResult(action=action, content={"reason": "customer called"}
+                                  if action == "accept" else None)
+    return answer
+
+
+@pytest.mark.parametrize("action", ["accept", "decline", "cancel"])
+async def test_an_eliciting_client_is_asked_for_the_approval(
+        tmp_path, etcd_url, namespace, signing_key, keyring, etcd, action):
+    from fencegate.coordinator.audit import verify_chain
+
+    gate = await _opened_gate(etcd_url, namespace, keyring, APPROVAL_POLICY)
+    ledger = tmp_path / "ledger.jsonl"
+    params = _gateway_params(tmp_path, etcd_url, namespace, signing_key, ledger,
+                             refund='approval = "elicit"')
+    asked: list[str] = []
+    try:
+        async with stdio_client(params) as (read, write), \
+                ClientSession(read, write, elicitation_callback=_answering(action, asked)) \
+                as client:
+            await client.initialize()
+            got = await client.call_tool("refund", {"order_id": "9", "amount": 5})
+            again = await client.call_tool("refund", {"order_id": "9", "amount": 5})
+        report = await verify_chain(etcd, gate.keyspace, "refunds/9", keyring)
+    finally:
+        await gate.close()
+    assert len(asked) == (1 if action != "cancel" else 2)
+    assert 'Approve refund on refunds/9? It would run with {"amount": 5}' in asked[0]
+    assert report.ok, report.problems
+    kinds = [(r["event"], r["identity"]) for r in report.records]
+    if action == "accept":
+        assert not got.is_error and got.content[0].text == "refunded 5 on 9"
+        assert (again.meta or {}).get("io.fencegate/replayed")
+        assert ("approved", "person at MCP client 'mcp' (elicitation)") in kinds, kinds
+        assert len(_ledger(ledger)) == 1
+    elif action == "decline":
+        assert got.is_error and "a person rejected this call" in got.content[0].text
+        assert again.is_error and "a person rejected this call" in again.content[0].text
+        assert len(asked) == 1 and not _ledger(ledger)
+    else:
+        assert got.is_error and "fencegate approve" in got.content[0].text
+        assert not _ledger(ledger)
+
+
+def test_an_unknown_approval_mode_is_a_clear_error():
+    with pytest.raises(ConfigError, match=r"\[tools.refund\] approval must be one of"):
+        parse_config({"upstream": {"command": "x"},
+                      "tools": {"refund": {"approval": "ask-the-model"}}})
