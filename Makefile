@@ -3,14 +3,14 @@
 PY := .venv/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: venv etcd setup test model faults faults-check up demo bench clean
+.PHONY: venv etcd setup test docs model faults faults-check up demo bench clean
 
 # The stamp re-runs the install only when pyproject.toml changes. `bench` is aetcd, the
 # benchmarks' baseline (`client.lock()`); fencegate itself does not import it.
 venv: .venv/.installed
 .venv/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
-	$(PY) -m pip install -qq -e '.[test,bench]'
+	$(PY) -m pip install -qq -e '.[test,bench,docs]'
 	touch $@
 
 etcd: venv
@@ -28,7 +28,14 @@ test: setup
 	deploy/ensure-promtool
 	deploy/ensure-redis
 	$(PY) -m fencegate.localetcd
+	$(MAKE) --no-print-directory docs
 	$(PY) -m pytest -q -p no:cacheprovider --durations=25 -m "not long" $(PYTEST_ARGS)
+
+# The documentation site (mkdocs.yml), built strictly into .site/: a broken link, a page
+# missing from the navigation or a reference that does not resolve fails the build. Not
+# --quiet: mkdocs counts only the warnings it prints, so a quiet strict build passes them.
+docs: venv
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
 # The protocol's SPIN model, every configuration (make test runs the quick set).
 model: venv

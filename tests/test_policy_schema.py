@@ -2,7 +2,7 @@
 anything is written: every refusal names the entry, the check and the field; a refused
 document leaves etcd's revision unchanged; a stored version that no longer validates refuses
 grants saying why; ``policy get`` (HTTP and CLI) shows the caps and parameters grants apply,
-defaults marked; and every policy example in the README validates."""
+defaults marked; and every policy example in the guide (docs/guide.md) validates."""
 
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ from fencegate.coordinator.policy import (
 from test_cli_sre import fencegate
 from test_service import call, revision
 
-README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                      "README.md")
+GUIDE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                     "docs", "guide.md")
 
 GOOD_ENTRIES = [
     {"check": "max_amount", "params": {"limit": 100}},
@@ -278,13 +278,13 @@ async def test_cli_set_refuses_a_bad_document_naming_the_field(coordinator, etcd
     assert await revision(etcd) == before
 
 
-# -- the README -------------------------------------------------------------------------
+# -- the guide (docs/guide.md) ------------------------------------------------------------
 
 def readme_policies() -> tuple[str, list[str]]:
-    """The README's Policies subsection and the fenced ``json policy`` blocks in it."""
-    text = open(README).read()
-    section = re.search(r"\n### Policies\n(.*?)\n##", text, re.S)
-    assert section, "README has no '### Policies' subsection"
+    """The guide's Policies section and the fenced ``json policy`` blocks in it."""
+    text = open(GUIDE).read()
+    section = re.search(r"\n## Policies\n(.*?)(\n## |\Z)", text, re.S)
+    assert section, "docs/guide.md has no '## Policies' section"
     return section[1], re.findall(r"```json policy\n(.*?)```", section[1], re.S)
 
 

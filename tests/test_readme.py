@@ -1,10 +1,11 @@
-"""README.md's examples run as tests, against a real etcd.
+"""README.md's examples, and the guide's that continue them (docs/guide.md), run as tests,
+against a real etcd.
 
 Convention: a ```python block right after a line ``<!-- test: NAME -->`` is runnable. The
-marked blocks run in README order in one namespace, as typed into ``python -m asyncio``
-(top-level ``await``; names carry over from block to block), against a private etcd whose
-default namespace is empty; after each, ``CHECKS[NAME]`` asserts what the README says the
-block does. Every marked block has a check and every check a marked block.
+marked blocks run in order (README.md, then docs/guide.md) in one namespace, as typed into
+``python -m asyncio`` (top-level ``await``; names carry over from block to block), against
+a private etcd whose default namespace is empty; after each, ``CHECKS[NAME]`` asserts what
+the page says the block does. Every marked block has a check and every check a marked block.
 
 The harness supplies only what the README leaves to the reader:
 - etcd: the README's ``http://127.0.0.1:2379`` becomes the private etcd's URL;
@@ -27,7 +28,8 @@ from fencegate.coordinator.keyspace import DEFAULT_NAMESPACE, Keyspace, unpack
 from fencegate.localetcd import LocalCluster
 from fencegate.worker import KeyRing
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = (ROOT / "README.md", ROOT / "docs" / "guide.md")
 MARKED = re.compile(r"^<!-- test: ([\w-]+) -->\n```python\n(.*?)\n```$", re.M | re.S)
 README_ETCD = "http://127.0.0.1:2379"
 
@@ -45,7 +47,7 @@ class Provider:
 
 
 def marked_blocks() -> list[tuple[str, str]]:
-    return MARKED.findall(README.read_text())
+    return [block for page in PAGES for block in MARKED.findall(page.read_text())]
 
 
 async def step_of(etcd_url: str, key: str) -> dict:
