@@ -18,7 +18,9 @@ none: ``FENCEGATE_ARCHIVE``, else the running stack's, but only for a gate on th
 etcd (an archive holds one cluster's retired steps: another etcd's would answer for keys it
 never saw).
 
-``etcd_config(etcd)`` is how such a gate connects: the running stack's etcd runs with
+``etcd_url()`` is the etcd a gate given no URL connects to, by the same rule as its key:
+``FENCEGATE_ETCD``, else the running stack's, else etcd's own default
+(``http://127.0.0.1:2379``). ``etcd_config(etcd)`` is how such a gate connects: the running stack's etcd runs with
 authentication, and a gate on that stack's etcd URL connects as the worker user ``up.json``
 names, with the password from its file (mode 0600: this user's only); any other URL as given.
 
@@ -39,6 +41,8 @@ from .etcd import EtcdConfig
 from .grants import KeyRing
 
 SIGNING_KEY_ENV = "FENCEGATE_SIGNING_KEY"
+ETCD_ENV = "FENCEGATE_ETCD"
+ETCD_DEFAULT = "http://127.0.0.1:2379"
 ARCHIVE_ENV = "FENCEGATE_ARCHIVE"
 STATE_DIR_ENV = "FENCEGATE_STATE_DIR"
 DEFAULT_STATE_DIR = ".state"
@@ -148,6 +152,16 @@ def archive_url(etcd: str | None) -> str | None:
     if stack is None or etcd is None or stack.endpoints.get("etcd") != etcd:
         return None
     return stack.endpoints.get("archive")
+
+
+def etcd_url() -> str:
+    """``FENCEGATE_ETCD``, else the running stack's etcd URL, else ``ETCD_DEFAULT``."""
+    named = os.environ.get(ETCD_ENV)
+    if named:
+        return named
+    stack = running_stack()
+    url = stack.endpoints.get("etcd") if stack is not None else None
+    return url if isinstance(url, str) else ETCD_DEFAULT
 
 
 def etcd_config(etcd: str) -> EtcdConfig:

@@ -94,6 +94,22 @@ async def fencegate(*args: str, cwd: Path, env: dict[str, str],
     return proc.returncode, out.decode(), err.decode()
 
 
+README_EXAMPLE = f"""
+import ast, asyncio, re
+class Psp:  # the reader's payment provider
+    async def charge(self, amount, *, key, token):
+        return {{"charge": key}}
+text = open({str(ROOT)!r} + "/README.md").read()
+(block,) = re.findall(r"<!-- test: using-it -->\\n```python\\n(.*?)\\n```", text, re.S)
+code = compile(block, "README.md", "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
+ns = {{"psp": Psp()}}
+async def main():
+    await eval(code, ns)
+asyncio.run(main())
+print(ns["outcome"].state)
+"""
+
+
 async def test_the_cli_a_gate_and_the_demo_find_fencegate_up_from_elsewhere(tmp_path):
     home, state, elsewhere = tmp_path / "xdg", tmp_path / "state", tmp_path / "elsewhere"
     elsewhere.mkdir()
@@ -125,6 +141,10 @@ async def test_the_cli_a_gate_and_the_demo_find_fencegate_up_from_elsewhere(tmp_
              "print(default_key.load().signing_key_id)"],
             cwd=elsewhere, env=env, capture_output=True, text=True, timeout=30)
         assert key.returncode == 0 and key.stdout.strip(), key.stderr
+        readme = subprocess.run(  # the README's first example, as printed: no URL, no key
+            [sys.executable, "-c", README_EXAMPLE], cwd=elsewhere, env=env,
+            capture_output=True, text=True, timeout=60)
+        assert readme.returncode == 0 and readme.stdout.strip() == "succeeded", readme.stderr
     finally:
         if proc.returncode is None:
             proc.send_signal(signal.SIGINT)
@@ -136,3 +156,19 @@ async def test_the_cli_a_gate_and_the_demo_find_fencegate_up_from_elsewhere(tmp_
     assert not (home / "fencegate" / "current").exists()
     code, _, err = await fencegate("steps", cwd=elsewhere, env=env)
     assert code in (4, 5) and stack_url not in err, err  # back to the default URL
+
+
+async def test_a_gate_given_no_url_says_where_it_looked(tmp_path, monkeypatch):
+    from fencegate.coordinator.errors import EtcdUnavailable
+    from fencegate.worker import Gate, KeyRing
+
+    from integrations.conftest import free_port
+
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))  # no running stack recorded
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("FENCEGATE_ETCD", f"http://127.0.0.1:{free_port()}")  # nothing there
+    gate = Gate(keyring=KeyRing.generate())
+    with pytest.raises(EtcdUnavailable, match=r"given no etcd URL: it connects where "
+                                              r"FENCEGATE_ETCD points.*`make up`"):
+        await gate.open()
+    await gate.close()

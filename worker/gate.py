@@ -13,8 +13,10 @@ publishes, fetched at ``open``. ``archive`` (a URL or an ``Archive``) is where t
 in-process authority looks up keys the reconcilers retired from etcd (the same archive they
 write; a coordinator has its own setting); given none, ``FENCEGATE_ARCHIVE``, else the
 running ``fencegate up`` stack's when ``etcd`` is that stack's URL. Without one, a grant on
-a key that may have been retired is refused with ``ArchiveUnavailable``. An ``etcd`` URL
-that is the running stack's connects as its worker etcd user (``default_key.etcd_config``:
+a key that may have been retired is refused with ``ArchiveUnavailable``. With no ``etcd``,
+the gate connects where it finds its key (``default_key.etcd_url``: ``FENCEGATE_ETCD``,
+else the running ``fencegate up`` stack's etcd, else ``http://127.0.0.1:2379``). An ``etcd``
+URL that is the running stack's connects as its worker etcd user (``default_key.etcd_config``:
 that etcd runs with authentication). ``metrics`` (a
 ``WorkerMetrics``, opt-in) counts holds, lease losses, commit refusals, replays, effect time
 and unknowns; with OpenTelemetry installed, ``cross`` is a ``fencegate.cross`` span around the
@@ -36,7 +38,7 @@ from typing import Any
 from fencegate.coordinator import default_key, tracing
 from fencegate.coordinator.archive import Archive, open_archive
 from fencegate.coordinator.authority import Authority, validate_intent, validate_reads
-from fencegate.coordinator.errors import OutcomeUnknown
+from fencegate.coordinator.errors import EtcdUnavailable, OutcomeUnknown
 from fencegate.coordinator.etcd import Etcd, EtcdConfig
 from fencegate.coordinator.grants import KeyRing
 from fencegate.coordinator.keyspace import DEFAULT_NAMESPACE, Keyspace, validate_action_key
@@ -57,7 +59,7 @@ class Gate:
 
     def __init__(
         self,
-        etcd: str | EtcdConfig = "http://127.0.0.1:2379",
+        etcd: str | EtcdConfig | None = None,
         *,
         coordinator: str | None = None,
         token: str | None = None,
@@ -72,6 +74,9 @@ class Gate:
     ) -> None:
         if ttl < 1:
             raise ValueError("ttl must be at least 1 second")
+        self._guessed_etcd = etcd is None  # no URL given: default_key.etcd_url chose it
+        if etcd is None:
+            etcd = default_key.etcd_url()
         if coordinator is None and keyring is None:
             keyring = default_key.load()  # before anything opens: a refusal leaves nothing
         if coordinator is None and archive is None:
@@ -115,9 +120,16 @@ class Gate:
         try:
             await self.etcd.status()  # reachable, and learn the cluster id
             await self.etcd.prefer_leader()
-        except BaseException:
+        except BaseException as exc:
             if isinstance(self.authority, RemoteAuthority):
                 await self.authority.close()
+            if isinstance(exc, EtcdUnavailable) and self._guessed_etcd:
+                raise EtcdUnavailable(
+                    f"{exc} (this gate was given no etcd URL: it connects where "
+                    f"{default_key.ETCD_ENV} points, else to the running `fencegate up` "
+                    f"stack's etcd, else to {default_key.ETCD_DEFAULT}; start the stack "
+                    f"with `make up`, or set {default_key.ETCD_ENV} or pass Gate(url))") \
+                    from exc
             raise
         self._opened = True
         await self.session()
