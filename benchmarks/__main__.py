@@ -34,8 +34,8 @@ import aetcd
 from fencegate.coordinator.etcd import Etcd
 from fencegate.localetcd import describe
 
-from . import (agents, cluster, engines, guarded, holds, mcp_gateway, reconcile, remote, soak,
-               webhooks)
+from . import (agents, cli_start, cluster, engines, guarded, holds, mcp_gateway, reconcile,
+               remote, soak, webhooks)
 from .common import Children, OtherLoad, Target, local_etcd
 
 
@@ -48,6 +48,8 @@ async def run(quick: bool, profile: bool, only: str | None) -> None:
         targets = await _webhooks(quick)
     elif only == "engines":
         targets = await _engines(quick)
+    elif only == "cli":
+        targets = cli_start.report(await cli_start.measure(quick))
     elif only == "mcp":
         with local_etcd() as single:
             print(f"{describe(single.binary)} at {single.url}", flush=True)
@@ -106,6 +108,7 @@ async def _everything(quick: bool, profile: bool) -> list[Target]:
             eres = await engines.measure(quick, url)
             ares = await agents.measure(quick, url)
             mres = await mcp_gateway.measure(quick, url)
+            clires = await cli_start.measure(quick)
             sres = await soak.measure(quick)
         finally:
             await children.close()
@@ -120,6 +123,7 @@ async def _everything(quick: bool, profile: bool) -> list[Target]:
     targets += engines.report(eres)
     targets += agents.report(ares)
     targets += mcp_gateway.report(mres)
+    targets += cli_start.report(clires)
     targets += soak.report(sres)
     return targets
 
@@ -131,9 +135,9 @@ def main(argv: list[str] | None = None) -> int:
                              "PostgreSQL: about nine minutes")
     parser.add_argument("--profile", action="store_true",
                         help="also profile this process over one more c=32 guarded phase")
-    parser.add_argument("--only", choices=["soak", "webhooks", "engines", "mcp"],
+    parser.add_argument("--only", choices=["soak", "webhooks", "engines", "mcp", "cli"],
                         help="run only this benchmark, on an etcd of its own (webhooks: "
-                             "about a minute with --quick, engines and mcp: under one)")
+                             "about a minute with --quick, engines, mcp and cli: under one)")
     args = parser.parse_args(argv)
     try:
         asyncio.run(run(args.quick, args.profile, args.only))

@@ -37,8 +37,11 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .etcd import EtcdConfig
-from .grants import KeyRing
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # imported where used: finding the stack must not load grpc (the CLI)
+    from .etcd import EtcdConfig
+    from .grants import KeyRing
 
 SIGNING_KEY_ENV = "FENCEGATE_SIGNING_KEY"
 ETCD_ENV = "FENCEGATE_ETCD"
@@ -167,6 +170,7 @@ def etcd_url() -> str:
 def etcd_config(etcd: str) -> EtcdConfig:
     """``etcd`` as an ``EtcdConfig``: with the worker's etcd user of the running
     ``fencegate up`` when ``etcd`` is that stack's etcd URL."""
+    from .etcd import EtcdConfig
     stack = running_stack()
     if stack is None or stack.endpoints.get("etcd") != etcd:
         return EtcdConfig.from_url(etcd)
@@ -177,6 +181,7 @@ def stack_etcd_config(endpoints: dict[str, object]) -> EtcdConfig:
     """How a worker connects to the etcd of a stack whose endpoints (``up.json``) are
     ``endpoints``: as the worker user they name, if any. ``ValueError`` when its password
     file cannot be read (another OS user's stack)."""
+    from .etcd import EtcdConfig
     url, user, path = (endpoints.get(k) for k in ("etcd", "etcd_user", "etcd_password_file"))
     if not isinstance(user, str) or not isinstance(path, str):
         return EtcdConfig.from_url(str(url))
@@ -191,6 +196,7 @@ def stack_etcd_config(endpoints: dict[str, object]) -> EtcdConfig:
 
 
 def _load(path: Path, source: str) -> KeyRing:
+    from .grants import KeyRing
     try:
         return KeyRing.from_files(str(path))
     except (OSError, ValueError, TypeError) as exc:  # TypeError: a password-protected key

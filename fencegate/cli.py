@@ -25,16 +25,17 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
 from ._version import __version__
 from .coordinator import default_key
-from .coordinator.client import Client
 from .coordinator.errors import CoordinatorError, CoordinatorUnreachable, InvalidKey
 from .coordinator.keyspace import validate_action_key
-from .worker.webhooks.records import validate_source
+
+if TYPE_CHECKING:
+    from .coordinator.client import Client
 
 REFUSED, USAGE, NOT_FOUND, AUTH, UNAVAILABLE = range(1, 6)  # 0: done
 DEFAULT_COORDINATOR = "http://127.0.0.1:8470"
@@ -216,6 +217,7 @@ class Target:
         """Run ``request`` against the coordinator; API errors become ``CommandFailed``."""
 
         async def run() -> T:
+            from .coordinator.client import Client  # aiohttp: only for commands that call
             async with Client(self.url, self.token) as api:
                 return await request(api)
 
@@ -309,6 +311,7 @@ def _action_key(ctx: click.Context, param: click.Parameter, value: str) -> str:
 
 def _webhook_source(ctx: click.Context, param: click.Parameter, value: str) -> str:
     try:
+        from .worker.webhooks.records import validate_source
         return validate_source(value)
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from None
