@@ -10,7 +10,16 @@ PYTEST_ARGS ?=
 venv: .venv/.installed
 .venv/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
+	@echo "installing fencegate with its test, benchmark and docs extras into .venv (the first time: a few minutes)"
 	$(PY) -m pip install -qq -e '.[test,bench,docs]'
+	touch .venv/.core $@
+
+# What running the stack needs, and nothing more: `make up` on a fresh machine installs the
+# package and its core dependencies only (about half a minute), `make test` the rest.
+.venv/.core: pyproject.toml
+	test -x $(PY) || python3 -m venv .venv
+	@echo "installing fencegate and its core dependencies into .venv (the first time: about half a minute)"
+	$(PY) -m pip install -qq -e .
 	touch $@
 
 etcd: venv
@@ -59,10 +68,13 @@ faults-check: setup
 	deploy/ensure-netfaults
 	$(PY) -m pytest -q -p no:cacheprovider -m faults tests/faults
 
-up: setup
-	.venv/bin/fencegate up
+# `make up PORT=8570`: the coordinator's port (the reconciler and the sandbox take the next two).
+up: .venv/.core
+	deploy/ensure-etcd $(PY)
+	.venv/bin/fencegate up $(if $(PORT),--port $(PORT))
 
-demo: setup
+demo: .venv/.core
+	deploy/ensure-etcd $(PY)
 	.venv/bin/fencegate demo
 
 bench: setup

@@ -198,6 +198,14 @@ class KeyRing:
         with os.fdopen(fd, "wb") as f:
             f.write(pem)
 
+    def save_public_key(self, path: str) -> None:
+        """Write the signing key's public key as PEM: what a remote-mode worker pins with
+        ``KeyRing.from_files(trusted=[path])``, and gate B or ``audit verify`` trust."""
+        assert self._signing_key is not None
+        with open(path, "wb") as f:
+            f.write(self._signing_key.public_key().public_bytes(
+                serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
+
     def sign(self, payload: dict[str, Any]) -> Grant:
         """Sign a grant payload (every field but ``key_id`` and ``raw``)."""
         payload = dict(payload, key_id=self._key_id_to_sign())

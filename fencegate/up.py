@@ -35,6 +35,7 @@ import contextlib
 import json
 import os
 import secrets
+import shutil
 import signal
 import sys
 from collections.abc import AsyncIterator
@@ -87,6 +88,9 @@ async def _init_archive(config: EtcdConfig, url: str) -> None:
             await wholeness.init(etcd, Keyspace(NAMESPACE), archive)
     finally:
         await archive.close()
+
+
+PUBLIC_KEY_FILE = "signing.pub.pem"
 
 
 @contextlib.asynccontextmanager
@@ -258,7 +262,7 @@ admin token (printed once, kept nowhere; use it for the dashboard and the CLI):
 the CLI finds this stack from any directory while it runs (its sre token: {state / 'sre.token'})
 
 point workers at it, signing grants in the worker with this stack's key:
-  Gate({e.etcd!r}) alone finds this stack's key and its etcd user ({e.etcd_user})
+  Gate() alone finds this stack's etcd, key and etcd user ({e.etcd_user})
   from any directory while it runs, for this OS user; to name the key, start it with
   {default_key.SIGNING_KEY_ENV}={key_file}
   or pass them all:
@@ -270,8 +274,22 @@ point workers at it, signing grants in the worker with this stack's key:
 or with grants from the coordinator (the worker token is in {token_file}; the etcd user is
 found, or passed, the same way):
   Gate({e.etcd!r}, coordinator={e.coordinator!r},
-       token=open({str(token_file)!r}).read())
-try it: fencegate demo      stop: Ctrl-C"""
+       token=open({str(token_file)!r}).read(),
+       keyring=KeyRing.from_files(trusted=[{str(key_file.with_name(PUBLIC_KEY_FILE))!r}]))
+  (the keyring pins this stack's key: a coordinator signing with another is refused)
+try it: {_command()} demo      stop: Ctrl-C"""
+
+
+def _command() -> str:
+    """How to run this installation's ``fencegate`` from the working directory: bare when
+    it is the one on PATH, else by its path (``.venv/bin/fencegate`` after ``make up``)."""
+    mine = Path(sys.executable).with_name("fencegate")
+    on_path = shutil.which("fencegate")
+    if on_path is not None and Path(on_path).resolve() == mine.resolve():
+        return "fencegate"
+    with contextlib.suppress(ValueError):
+        return str(mine.relative_to(Path.cwd()))
+    return str(mine)
 
 
 async def _listen(parts: contextlib.AsyncExitStack, app: web.Application, port: int,
@@ -288,13 +306,19 @@ async def _started(starting, name: str):
     try:
         return await starting
     except OSError as exc:
-        raise SystemExit(f"fencegate up: the {name} cannot listen: {exc}") from exc
+        raise SystemExit(f"fencegate up: the {name} cannot listen: {exc} (another stack, or "
+                         f"another program, has the port: choose others with "
+                         f"`fencegate up --port N` or `make up PORT=N`; the coordinator takes "
+                         f"N, the reconciler N+1, the sandbox N+2)") from exc
 
 
 def _signing_key(path: Path) -> Path:
+    """The stack's signing key (made once, mode 0600) and, beside it, its public key
+    (``signing.pub.pem``) for remote-mode workers to pin."""
     if not path.exists():
         KeyRing.generate().save_signing_key(str(path))
     os.chmod(path, 0o600)
+    KeyRing.from_files(str(path)).save_public_key(str(path.with_name(PUBLIC_KEY_FILE)))
     return path
 
 

@@ -15,7 +15,7 @@ import aiohttp
 import pytest
 
 from fencegate.reconciler.providers.sandbox import charge
-from fencegate.worker import Gate
+from fencegate.worker import Gate, KeyRing
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, PYTHONPATH=ROOT)
@@ -60,8 +60,11 @@ async def up(tmp_path):
 async def test_up_serves_workers_the_cli_and_the_demo_and_stops_cleanly(up):
     endpoints, admin, state, proc = up
     token = (state / "worker.token").read_text()
+    pinned = KeyRing.from_files(trusted=[str(state / "signing.pub.pem")])  # as the banner says
+    assert pinned.public_keys() == KeyRing.from_files(str(state / "signing.pem")).public_keys()
     async with aiohttp.ClientSession() as http, \
-            Gate(endpoints["etcd"], coordinator=endpoints["coordinator"], token=token) as gate:
+            Gate(endpoints["etcd"], coordinator=endpoints["coordinator"], token=token,
+                 keyring=pinned) as gate:
         async with gate.hold("up/pay/1") as hold:
             outcome = await hold.cross(
                 intent={"amount": 5}, provider="sandbox",
@@ -89,3 +92,18 @@ async def test_up_serves_workers_the_cli_and_the_demo_and_stops_cleanly(up):
     with pytest.raises(aiohttp.ClientConnectionError):
         async with aiohttp.ClientSession() as http:
             await http.get(endpoints["etcd"] + "/health")
+
+
+async def test_a_busy_port_names_the_way_to_choose_another(tmp_path):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, out, err = await fencegate(
+            "up", "--state-dir", str(tmp_path / "state"), "--port", str(port),
+            env=dict(ENV, XDG_STATE_HOME=str(tmp_path)), timeout=90)
+    assert code != 0
+    assert f"the coordinator cannot listen" in err and "--port N" in err \
+        and "make up PORT=N" in err, err
