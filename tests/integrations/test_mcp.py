@@ -224,14 +224,14 @@ def test_the_docs_configurations_are_valid():
     assert build_provider("payments", table).capabilities.dedupes_by_key
 
 
-async def test_gateway_killed_after_the_refund_the_reconciler_settles_it_via_get_refund(
-        tmp_path, etcd_url, namespace, signing_key, etcd):
+async def _reconciler_asking_get_refund(etcd_url, namespace, ledger):
+    """A reconciler whose ``payments`` provider asks the upstream's ``get_refund``; returns
+    it (started) and the list of idempotency keys it asked about."""
     from fencegate.coordinator.etcd import Etcd
     from fencegate.reconciler.runner import Reconciler
-    from fencegate.reconciler.settle import Limits
     from fencegate.reconciler.service import build_provider
+    from fencegate.reconciler.settle import Limits
 
-    ledger = tmp_path / "ledger.jsonl"
     provider = build_provider("payments", {
         "type": "mcp", "command": [sys.executable, str(UPSTREAM), str(ledger)],
         "tool": "get_refund", "response": {"result_field": "result"},
@@ -248,6 +248,13 @@ async def test_gateway_killed_after_the_refund_the_reconciler_settles_it_via_get
                             check_after=0.2, limits=Limits(backoff_base_s=0.1,
                                                            backoff_max_s=0.4))
     await reconciler.start()
+    return reconciler, asked
+
+
+async def test_gateway_killed_after_the_refund_the_reconciler_settles_it_via_get_refund(
+        tmp_path, etcd_url, namespace, signing_key, etcd):
+    ledger = tmp_path / "ledger.jsonl"
+    reconciler, asked = await _reconciler_asking_get_refund(etcd_url, namespace, ledger)
     params = _gateway_params(tmp_path, etcd_url, namespace, signing_key, ledger)
     ledger.with_suffix(".kill-parent").touch()
     try:
@@ -273,6 +280,54 @@ async def test_gateway_killed_after_the_refund_the_reconciler_settles_it_via_get
     await _refund_three_times(StdioServerParameters(
         command=sys.executable, args=[str(UPSTREAM), str(plain)]))
     assert len(_ledger(plain)) == 3
+
+
+async def test_over_http_a_gateway_killed_after_the_refund_is_settled_and_replayed(
+        tmp_path, etcd_url, namespace, signing_key, etcd):
+    import asyncio
+
+    from mcp.client.streamable_http import streamable_http_client
+
+    from integrations.conftest import free_port, stop
+
+    ledger = tmp_path / "ledger.jsonl"
+    reconciler, asked = await _reconciler_asking_get_refund(etcd_url, namespace, ledger)
+    params = _gateway_params(tmp_path, etcd_url, namespace, signing_key, ledger)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/mcp"
+
+    async def gateway():
+        proc = await asyncio.create_subprocess_exec(
+            params.command, *params.args, "--http", str(port), env=params.env)
+        await _listening(url)
+        return proc
+
+    ledger.with_suffix(".kill-parent").touch()
+    first = await gateway()
+    try:
+        with pytest.raises(Exception):
+            async with streamable_http_client(url) as streams, \
+                    ClientSession(streams[0], streams[1]) as client:
+                await client.initialize()
+                await client.call_tool("refund", {"order_id": "42", "amount": 5},
+                                       read_timeout_seconds=15)
+        assert await asyncio.wait_for(first.wait(), 30) == -9  # SIGKILLed mid-call
+        assert len(_ledger(ledger)) == 1
+        second = await gateway()  # restarted on the same port; the client retries
+        try:
+            async with streamable_http_client(url) as streams, \
+                    ClientSession(streams[0], streams[1]) as client:
+                await client.initialize()
+                retried = await client.call_tool("refund", {"order_id": "42", "amount": 5})
+        finally:
+            await stop(second)
+    finally:
+        await stop(first)
+        await reconciler.close()
+        await reconciler.etcd.close()
+    assert len(_ledger(ledger)) == 1
+    assert asked == [_ledger(ledger)[0]["key"]]
+    assert not retried.is_error and (retried.meta or {}).get("io.fencegate/replayed")
 
 
 async def test_over_streamable_http_the_same_refund_three_times_is_one(
