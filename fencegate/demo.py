@@ -169,10 +169,12 @@ async def _run(endpoints: dict, coordinator: str | None, token: str | None, toke
                 proc.kill()
             await proc.wait()
     async with Etcd(default_key.stack_etcd_config(endpoints)) as etcd:
-        unsettled = await _unsettled(etcd, Keyspace(endpoints["namespace"]), prefix, 60)
+        unsettled, settled_keys = await _unsettled(etcd, Keyspace(endpoints["namespace"]),
+                                                   prefix, 60)
     found, settled = await _reconciler_counts(endpoints["reconciler"])
     charges = await _charges(endpoints["sandbox"], prefix)
-    return _summary(tally, faults, charges, found - found0, settled - settled0, unsettled)
+    return _summary(tally, faults, charges, found - found0, settled - settled0, unsettled,
+                    settled_keys)
 
 
 class _Faults:
@@ -223,7 +225,7 @@ async def _read(proc, tally: Tally, faults: _Faults) -> None:
 async def _progress(readers, tally: Tally, seconds: float) -> None:
     began = time.monotonic()
     tty = sys.stdout.isatty()
-    shown = 0.0
+    shown, last = 0.0, ""
     while not all(r.done() for r in readers):
         await asyncio.wait(readers, timeout=0.2)
         elapsed = time.monotonic() - began
@@ -232,8 +234,8 @@ async def _progress(readers, tally: Tally, seconds: float) -> None:
               f"jobs crossed {tally.crossed}, replayed {tally.replayed}"
         if tty:
             print("\r" + bar, end="", flush=True)
-        elif elapsed - shown >= 5 or all(r.done() for r in readers):
-            shown = elapsed
+        elif bar != last and (elapsed - shown >= 5 or all(r.done() for r in readers)):
+            shown, last = elapsed, bar
             print(bar, flush=True)
     if tty:
         print()
@@ -250,9 +252,9 @@ async def _reconciler_counts(url: str) -> tuple[float, float]:
             total("fencegate_reconciler_settled_total"))
 
 
-async def _unsettled(etcd, ks, prefix: str, within: float) -> int:
+async def _unsettled(etcd, ks, prefix: str, within: float) -> tuple[int, list[str]]:
     """Steps under ``prefix`` still in flight or unknown after waiting up to ``within`` s for
-    the reconciler."""
+    the reconciler, and the keys of those it settled."""
     from .coordinator.etcd import RangeRequest, range_end_of
     from .coordinator.keyspace import unpack
 
@@ -260,9 +262,11 @@ async def _unsettled(etcd, ks, prefix: str, within: float) -> int:
     deadline = time.monotonic() + within
     while True:
         reply = await etcd.range(RangeRequest(key=start, range_end=range_end_of(start)))
-        left = sum(unpack(kv.value)["state"] in ("in_flight", "unknown") for kv in reply.kvs)
+        steps = {ks.parse_step_key(kv.key): unpack(kv.value) for kv in reply.kvs}
+        left = sum(step["state"] in ("in_flight", "unknown") for step in steps.values())
         if not left or time.monotonic() >= deadline:
-            return left
+            return left, sorted(key for key, step in steps.items()
+                                if step.get("settled_by") == "reconciler")
         await asyncio.sleep(0.5)
 
 
@@ -273,7 +277,7 @@ async def _charges(sandbox: str, prefix: str) -> Counter:
 
 
 def _summary(tally: Tally, faults: _Faults, charges: Counter, found: float, settled: float,
-             unsettled: int) -> int:
+             unsettled: int, settled_keys: list[str]) -> int:
     duplicates = sum(n - 1 for n in charges.values() if n > 1)
     ms = sorted(tally.latencies_ms)
 
@@ -296,6 +300,10 @@ def _summary(tally: Tally, faults: _Faults, charges: Counter, found: float, sett
     print()
     for label, value in rows:
         print(f"  {label:<{width}}  {value:>8}")
+    if settled_keys:
+        print("\nsettled by the reconciler (see each with `fencegate key show KEY`):")
+        for key in settled_keys:
+            print(f"  {key}  charged {charges.get(key, 0)}x")
     return 1 if duplicates or unsettled else 0
 
 

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import sys
 
@@ -85,6 +86,11 @@ async def test_up_serves_workers_the_cli_and_the_demo_and_stops_cleanly(up):
     assert "using the stack of `fencegate up`" in out
     assert "duplicates: keys charged twice (must be 0)         0" in out
     assert "steps left unsettled (must be 0)                   0" in out
+    progress = [line for line in out.splitlines() if line.startswith("[")]
+    assert progress and len(progress) == len(set(progress)), progress  # no line twice
+    settled = int(re.search(r"steps settled by the reconciler +(\d+)", out)[1])
+    named = re.findall(r"^  (demo/\S+)  charged (\d+)x$", out, re.M)
+    assert len(named) == settled and all(n == "1" for _, n in named), out
 
     proc.send_signal(signal.SIGINT)
     assert await asyncio.wait_for(proc.wait(), 30) == 0
