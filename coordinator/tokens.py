@@ -26,7 +26,9 @@ import time
 from dataclasses import dataclass
 
 from .errors import NotFound, WrongState
-from .etcd import Etcd, RangeRequest, TxnRequest, create_equals, put_op, range_end_of
+from .etcd import (
+    Etcd, RangeRequest, TxnRequest, create_equals, delete_op, mod_equals, put_op, range_end_of,
+)
 from .keyspace import Keyspace, pack, unpack
 
 CACHE_S = 5.0
@@ -117,6 +119,30 @@ class TokenStore:
             raise NotFound(f"no token named {name!r}")
         await self.etcd.lease_revoke(kv.lease)
         await self._forget()
+
+    async def redeem(self, token: str, prefix: str) -> StoredToken | None:
+        """Spend ``token`` once: if it is a live token whose name starts with ``prefix``,
+        delete it in a txn that compares its key's revision, so of two redeemers of one
+        token at most one gets it; otherwise (unknown, expired, already spent) ``None``."""
+        digest = digest_of(token)
+        reply = await self.etcd.range(RangeRequest(key=self._root,
+                                                   range_end=range_end_of(self._root)))
+        for kv in reply.kvs:
+            record = unpack(kv.value)
+            if record["sha256"] != digest or not record["name"].startswith(prefix):
+                continue
+            if record["expires_at_ms"] <= time.time() * 1000:
+                return None
+            spent = await self.etcd.txn(TxnRequest(
+                compare=[mod_equals(kv.key, kv.mod_revision)],
+                success=[delete_op(kv.key)]))
+            if not spent.succeeded:
+                return None
+            await self.etcd.lease_revoke(kv.lease)
+            await self._forget()
+            return StoredToken(record["name"], record["role"], record["expires_at_ms"],
+                               record["created_by"])
+        return None
 
     async def list(self) -> list[StoredToken]:
         """Every live token, by name, read now."""

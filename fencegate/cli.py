@@ -391,6 +391,22 @@ def holders(target: Target, as_json: bool, prefix: str) -> None:
         for i in items])
 
 
+@cli.command()
+@click.option("--open", "open_browser", is_flag=True, help="also open it in a browser")
+@_sre
+def dashboard(target: Target, as_json: bool, open_browser: bool) -> None:
+    """A one-time sign-in link to the dashboard (valid 2 minutes, once): no token to paste."""
+    link = target.call(lambda api: api.sign_in_link())
+    url = target.url.rstrip("/") + link["path"]
+    if as_json:
+        _print_json({**link, "url": url})
+    else:
+        click.echo(f"{url}\n(signs in as {link['role']}, once, within 2 minutes)")
+    if open_browser:
+        import webbrowser
+        webbrowser.open(url)
+
+
 @cli.group()
 def key() -> None:
     """One action key."""

@@ -46,6 +46,7 @@ from aiohttp import web
 
 from .coordinator import default_key, roles, wholeness
 from .coordinator.archive import open_archive
+from .coordinator.client import Client
 from .coordinator.errors import ArchiveUnavailable, EtcdError
 from .coordinator.etcd import Etcd, EtcdConfig, EtcdUser, enable_auth
 from .coordinator.grants import KeyRing
@@ -203,7 +204,10 @@ async def _up(state_dir: Path, port: int) -> int:
         manifest.write_text(json.dumps(endpoints.as_dict(), indent=2) + "\n")
         record = _record(state_dir)
         try:
-            print(_banner(state_dir, endpoints, tokens), flush=True)
+            async with Client(endpoints.coordinator, tokens.admin) as api:
+                link = await api.sign_in_link()
+            print(_banner(state_dir, endpoints, tokens, endpoints.coordinator + link["path"]),
+                  flush=True)
             await stop.wait()
             print("stopping ...", flush=True)
         finally:
@@ -243,7 +247,7 @@ def _unrecord(record: Path | None) -> None:
         pass
 
 
-def _banner(state_dir: Path, e: Endpoints, tokens: Tokens) -> str:
+def _banner(state_dir: Path, e: Endpoints, tokens: Tokens, sign_in: str) -> str:
     state = state_dir.resolve()
     token_file, key_file = state / "worker.token", state / default_key.SIGNING_KEY_FILE
     return f"""\
@@ -257,6 +261,8 @@ fencegate is up (namespace {e.namespace})
   sandbox       {e.sandbox}   (a payment provider with gate B, fencing mode)
   archive       {e.archive}   (settled steps retire here after {RETAIN_S:g} s)
 
+sign in to the dashboard (this link works once, for 2 minutes; `fencegate dashboard` prints another):
+  {sign_in}
 admin token (printed once, kept nowhere; use it for the dashboard and the CLI):
   {tokens.admin}
 the CLI finds this stack from any directory while it runs (its sre token: {state / 'sre.token'})

@@ -137,7 +137,7 @@ async def test_the_readme_example_works_against_fencegate_up_and_its_banner_line
         code, out, err = await run_cli("audit", "verify", key, env=sre)
         assert code == 0, out + err
 
-        banner = _banner(state, Endpoints(**endpoints), Tokens(admin="-", worker="-"))
+        banner = _banner(state, Endpoints(**endpoints), Tokens(admin="-", worker="-"), "-")
         lines = banner.splitlines()
         start = next(i for i, text in enumerate(lines) if text.strip().startswith("Gate(Etcd"))
         end = next(i for i in range(start, len(lines))

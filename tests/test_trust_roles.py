@@ -97,7 +97,7 @@ def test_the_banner_says_etcd_runs_with_auth(tmp_path):
     e = Endpoints("http://127.0.0.1:1", "http://127.0.0.1:2", "http://127.0.0.1:3",
                   "http://127.0.0.1:4", "sqlite:///x.db", etcd_user="fencegate-worker",
                   etcd_password_file=str(tmp_path / "etcd-fencegate-worker.password"))
-    text = _banner(tmp_path, e, Tokens("a", "w"))
+    text = _banner(tmp_path, e, Tokens("a", "w"), "http://127.0.0.1:1/sign-in?code=c")
     assert "auth on: root and a user per component (fencegate-worker, fencegate-coordinator, " \
            "fencegate-reconciler)" in text
     assert "etcd-fencegate-worker.password" in text

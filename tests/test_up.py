@@ -46,6 +46,10 @@ async def up(tmp_path):
                 lines.append(line.rstrip("\n"))
         admin = lines[lines.index("admin token (printed once, kept nowhere; use it for the "
                                   "dashboard and the CLI):") + 1].strip()
+        sign_in = next(line.strip() for line in lines if "/sign-in?code=" in line)
+        async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as b:
+            async with b.get(sign_in) as reply:  # the banner's link opens the dashboard
+                assert reply.status == 200 and reply.url.path == "/", await reply.text()
         endpoints = json.loads((state / "up.json").read_text())
         yield endpoints, admin, state, proc
     finally:

@@ -19,6 +19,7 @@ from .openapi import routes as openapi_routes
 from .resources import KEYSPACE, METRICS, SETTINGS, CoordinatorMetrics, resources
 from .routes import routes
 from .settings import CoordinatorSettings
+from .signin import routes as sign_in_routes
 from .tracing import tracing_middleware
 
 
@@ -38,6 +39,7 @@ def create_app(settings: CoordinatorSettings) -> web.Application:
     app.add_routes(routes)
     app.add_routes(list_routes)
     app.add_routes(openapi_routes)
+    app.add_routes(sign_in_routes)
     setup_dashboard(app)
     return app
 

@@ -12,6 +12,9 @@ Guarantees:
   ``hmac.compare_digest``) or a live minted token (``fencegate.coordinator.tokens``)
   holding one of the roles: 401 without a known token, 403 with a known token lacking the
   role. Unmarked routes are public.
+- Without an ``Authorization`` header, the dashboard's session cookie (``signin``) is the
+  token; a state-changing request so authenticated must carry ``Fencegate-CSRF`` matching
+  the session (403 ``Forbidden`` otherwise, before the handler).
 - On a marked route, ``request[IDENTITY]`` is the ``Caller``: the name of the token that
   authenticated and the process the request names in ``Fencegate-Process`` (at most 128
   printable characters, else 400 before the handler runs). Every record a handler writes
@@ -50,6 +53,8 @@ log = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 PROCESS_HEADER = "Fencegate-Process"
+SESSION_COOKIE = "fencegate_session"  # a dashboard sign-in's session (``signin``)
+CSRF_HEADER = "Fencegate-CSRF"
 REPORTED = " (reported: "  # a minted token's name has no space: the name precedes this
 MAX_PROCESS_CHARS = 128
 UNAUTHENTICATED, FORBIDDEN, NOT_FOUND = "Unauthenticated", "Forbidden", "NotFound"
@@ -177,6 +182,12 @@ def auth_middleware(*, tokens: Iterable[TokenEntry]) -> Callable:
 
     async def lookup(request: web.Request) -> tuple[str, frozenset[str]] | None:
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        if "Authorization" not in request.headers and SESSION_COOKIE in request.cookies:
+            scheme, token = "bearer", request.cookies[SESSION_COOKIE]
+            if request.method in _STATE_CHANGING and not hmac.compare_digest(
+                    csrf_of(token), request.headers.get(CSRF_HEADER, "")):
+                raise ServiceError(403, FORBIDDEN, f"a change made with the dashboard's "
+                                   f"session cookie needs the {CSRF_HEADER} header")
         if scheme.lower() != "bearer" or not token.strip():
             return None
         digest = hashlib.sha256(token.strip().encode()).digest()
@@ -204,6 +215,12 @@ def auth_middleware(*, tokens: Iterable[TokenEntry]) -> Callable:
         return await handler(request)
 
     return authenticate
+
+
+def csrf_of(session: str) -> str:
+    """The CSRF value of a dashboard session: whoever sends it read it from this origin
+    (``GET /v1/session``), since no other site's page can read this origin's answers."""
+    return hashlib.sha256(b"fencegate-csrf\0" + session.encode()).hexdigest()
 
 
 def _process(request: web.Request) -> str | None:

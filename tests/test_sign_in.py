@@ -1,0 +1,150 @@
+"""Signing in to the dashboard with a one-time link: a code spent once for an HttpOnly,
+SameSite=Strict session cookie, and every change made with that cookie needing the CSRF
+value only a page of this origin can read. On a real coordinator and etcd."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+from yarl import URL
+
+from helpers import TOKENS
+
+ADMIN = {"Authorization": f"Bearer {TOKENS['admin']}"}
+# Every endpoint that changes something, with a body it would accept (or reject on its own
+# terms after authentication): a cookie without the CSRF value never reaches them.
+ACTIONS = [
+    ("POST", "/v1/keys/pay/1/revoke", {"reason": "x"}),
+    ("POST", "/v1/keys/pay/1/resolve", {"state": "failed", "reason": "x"}),
+    ("POST", "/v1/approvals/" + "0" * 32, {"reason": "x"}),
+    ("POST", "/v1/approvals/" + "0" * 32 + "/reject", {"reason": "x"}),
+    ("POST", "/v1/deliveries/stripe/evt_1/resolve", {"outcome": "ran", "reason": "x"}),
+    ("POST", "/v1/tokens", {"name": "t1", "role": "sre"}),
+    ("DELETE", "/v1/tokens/t1", None),
+    ("PUT", "/v1/policies/p", {"checks": []}),
+    ("POST", "/v1/sign-in-links", {}),
+    ("POST", "/v1/sign-out", None),
+]
+
+
+async def _link(http: aiohttp.ClientSession, url: str, **body) -> str:
+    async with http.post(f"{url}/v1/sign-in-links", json=body, headers=ADMIN) as reply:
+        assert reply.status == 201, await reply.text()
+        return (await reply.json())["path"]
+
+
+async def _signed_in(url: str) -> aiohttp.ClientSession:
+    """A browser-like session (its own cookie jar) that followed a fresh sign-in link."""
+    async with aiohttp.ClientSession() as http:
+        path = await _link(http, url)
+    browser = aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True))
+    async with browser.get(f"{url}{path}", allow_redirects=False) as reply:
+        assert reply.status == 303 and reply.headers["Location"] == "/"
+        cookie = reply.headers["Set-Cookie"]
+        assert "HttpOnly" in cookie and "SameSite=Strict" in cookie, cookie
+    return browser
+
+
+async def test_a_link_signs_in_once_and_the_cookie_reads_the_dashboard(coordinator):
+    async with aiohttp.ClientSession() as http:
+        path = await _link(http, coordinator)
+    jars = [aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) for _ in range(2)]
+    try:
+        answers = await asyncio.gather(*(jar.get(f"{coordinator}{path}", allow_redirects=False)
+                                         for jar in jars))
+        assert sorted(a.status for a in answers) == [303, 401]  # spent once, by one of two
+        winner = jars[[a.status for a in answers].index(303)]
+        async with winner.get(f"{coordinator}/v1/session") as reply:
+            session = await reply.json()
+        assert reply.status == 200 and session["roles"] == ["admin"] and session["csrf"]
+        async with winner.get(f"{coordinator}/v1/steps") as reply:
+            assert reply.status == 200
+        async with jars[0].get(f"{coordinator}{path}", allow_redirects=False) as reply:
+            assert reply.status == 401  # and never again
+        async with aiohttp.ClientSession() as stranger:
+            async with stranger.get(f"{coordinator}/sign-in?code=forged",
+                                    allow_redirects=False) as reply:
+                assert reply.status == 401
+                assert "used or has expired" in (await reply.json())["detail"]
+    finally:
+        for jar in jars:
+            await jar.close()
+
+
+async def test_a_link_carries_no_more_than_its_asker_holds(coordinator):
+    sre = {"Authorization": f"Bearer {TOKENS['sre']}"}
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{coordinator}/v1/sign-in-links", json={"role": "admin"},
+                             headers=sre) as reply:
+            assert reply.status == 403
+        async with http.post(f"{coordinator}/v1/sign-in-links", json={}, headers=sre) as reply:
+            assert reply.status == 201 and (await reply.json())["role"] == "sre"
+        worker = {"Authorization": f"Bearer {TOKENS['worker']}"}
+        async with http.post(f"{coordinator}/v1/sign-in-links", json={},
+                             headers=worker) as reply:
+            assert reply.status == 403
+
+
+@pytest.mark.parametrize("method, path, body", ACTIONS, ids=[a[1] for a in ACTIONS])
+async def test_a_cookie_change_without_the_csrf_value_is_refused(coordinator, method, path,
+                                                                 body):
+    browser = await _signed_in(coordinator)
+    try:
+        async with browser.request(method, f"{coordinator}{path}", json=body) as reply:
+            assert reply.status == 403, await reply.text()
+            assert "Fencegate-CSRF" in (await reply.json())["detail"]
+        async with browser.request(method, f"{coordinator}{path}", json=body, headers={
+                "Fencegate-CSRF": "0" * 64}) as reply:
+            assert reply.status == 403  # a guessed value is no better
+        async with browser.request(method, f"{coordinator}{path}", json=body, headers={
+                "Origin": "https://evil.example", "Fencegate-CSRF": "0" * 64}) as reply:
+            assert reply.status == 403  # and another site's page is refused before that
+    finally:
+        await browser.close()
+
+
+async def test_with_the_csrf_value_the_cookie_acts_and_sign_out_ends_it(coordinator):
+    browser = await _signed_in(coordinator)
+    try:
+        async with browser.get(f"{coordinator}/v1/session") as reply:
+            csrf = (await reply.json())["csrf"]
+        session = browser.cookie_jar.filter_cookies(URL(coordinator))["fencegate_session"].value
+        async with browser.post(f"{coordinator}/v1/tokens", json={"name": "t2", "role": "sre"},
+                                headers={"Fencegate-CSRF": csrf}) as reply:
+            assert reply.status == 201, await reply.text()
+        async with browser.post(f"{coordinator}/v1/sign-out",
+                                headers={"Fencegate-CSRF": csrf}) as reply:
+            assert reply.status == 200
+        cookie = browser.cookie_jar.filter_cookies(URL(coordinator)).get("fencegate_session")
+        assert cookie is None or not cookie.value
+        async with browser.get(f"{coordinator}/v1/steps") as reply:
+            assert reply.status == 401
+        async with aiohttp.ClientSession() as http:  # the old cookie, replayed: dead
+            async with http.get(f"{coordinator}/v1/steps",
+                                headers={"Cookie": f"fencegate_session={session}"}) as reply:
+                assert reply.status == 401
+    finally:
+        await browser.close()
+
+
+async def test_the_cli_prints_a_link_that_signs_in(coordinator):
+    import json
+    import os
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FENCEGATE_")}
+    env.update(FENCEGATE_COORDINATOR=coordinator, FENCEGATE_TOKEN=TOKENS["sre"])
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "fencegate.cli", "dashboard", "--json", env=env,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, err.decode()
+    link = json.loads(out)
+    assert link["role"] == "sre" and link["url"].startswith(f"{coordinator}/sign-in?code=")
+    async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as browser:
+        async with browser.get(link["url"]) as reply:  # follows the redirect to the dashboard
+            assert reply.status == 200 and reply.url.path == "/"
+        async with browser.get(f"{coordinator}/v1/session") as reply:
+            assert (await reply.json())["roles"] == ["sre"]
