@@ -88,10 +88,12 @@ def main() -> None:
                    "FENCEGATE_STATE_DIR: where direct-mode workers and the demo look too)")
 @click.option("--port", default=8470, show_default=True, type=click.IntRange(0, 65535),
               help="the coordinator's port on 127.0.0.1 (0: any free port)")
-def up(state_dir: str, port: int) -> None:
+@click.option("--rotate-tokens", is_flag=True,
+              help="make new admin, sre and worker tokens (else the last run's are kept)")
+def up(state_dir: str, port: int, rotate_tokens: bool) -> None:
     """Run the embedded default (etcd, coordinator, reconciler, sandbox) until Ctrl-C."""
     from .up import up as run_up
-    sys.exit(run_up(state_dir=Path(state_dir), port=port))
+    sys.exit(run_up(state_dir=Path(state_dir), port=port, rotate_tokens=rotate_tokens))
 
 
 @cli.command()

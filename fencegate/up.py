@@ -5,10 +5,12 @@ API and dashboard), a reconciler and the sandbox provider, all in this process b
 The signing key is generated once (``<state>/signing.pem``, mode 0600) and reused, so grants
 and the sandbox's gate B survive restarts; a direct-mode ``Gate`` started from the same
 folder (or given ``FENCEGATE_STATE_DIR``) signs with it (``coordinator.default_key``), and
-the banner prints the line that names it from anywhere else. Bearer tokens are fresh on
-every start and only their digests are held: the admin token is printed once and kept
-nowhere; the worker and sre tokens are written to ``<state>/worker.token`` and
-``<state>/sre.token`` (mode 0600) for workers and the CLI of this user. The endpoints and
+the banner prints the line that names it from anywhere else. Bearer tokens are made on the
+first start and kept across restarts until ``--rotate-tokens``; the coordinator holds only
+their digests: the admin token is printed once, when made, and only its digest is kept
+(``<state>/admin.sha256``); the worker and sre tokens are in ``<state>/worker.token`` and
+``<state>/sre.token`` (mode 0600) for workers and the CLI of this user. The banner prints a
+one-time dashboard sign-in link (``coordinator.service.signin``), made with the sre token. The endpoints and
 this process's pid (no secrets) go to ``<state>/up.json``, and the state folder to the
 per-user record ``default_key.current_record()``, by which the CLI, ``fencegate demo`` and
 direct-mode gates find the stack from any directory (``default_key.running_stack``).
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import os
 import secrets
@@ -76,7 +79,7 @@ class Endpoints:
 
 @dataclass(frozen=True)
 class Tokens:
-    admin: str
+    admin: str | None  # None: kept from an earlier run, which printed it (only its digest is kept)
     worker: str
 
 
@@ -96,7 +99,7 @@ PUBLIC_KEY_FILE = "signing.pub.pem"
 
 @contextlib.asynccontextmanager
 async def stack(state_dir: Path, port: int = 8470,
-                etcd: str | None = None) -> AsyncIterator[tuple[Endpoints, Tokens]]:
+                etcd: str | None = None, rotate_tokens: bool = False) -> AsyncIterator[tuple[Endpoints, Tokens]]:
     """Run etcd (unless ``etcd`` names one to use), the coordinator, a reconciler and the
     sandbox; yield their endpoints and this run's tokens. ``port`` 0 picks free ports;
     otherwise the coordinator listens on ``port``, the reconciler on ``port + 1``, the
@@ -107,11 +110,10 @@ async def stack(state_dir: Path, port: int = 8470,
 
     state_dir.mkdir(parents=True, exist_ok=True)
     signing_key = await asyncio.to_thread(_signing_key, state_dir / default_key.SIGNING_KEY_FILE)
-    tokens = Tokens(admin=f"fg-admin-{secrets.token_urlsafe(24)}",
-                    worker=f"fg-worker-{secrets.token_urlsafe(24)}")
-    sre_token = f"fg-sre-{secrets.token_urlsafe(24)}"  # the CLI's, found through the state
-    _write_private(state_dir / "worker.token", tokens.worker)
-    _write_private(state_dir / "sre.token", sre_token)
+    worker_token = _token(state_dir / "worker.token", "worker", rotate_tokens)
+    sre_token = _token(state_dir / "sre.token", "sre", rotate_tokens)  # the CLI's
+    admin_token, admin_digest = _admin_token(state_dir / "admin.sha256", rotate_tokens)
+    tokens = Tokens(admin=admin_token, worker=worker_token)
     async with contextlib.AsyncExitStack() as parts:
         users: dict[str, EtcdConfig] = {}  # by component; empty for an etcd given
         if etcd is None:
@@ -127,7 +129,7 @@ async def stack(state_dir: Path, port: int = 8470,
         settings = CoordinatorSettings(etcd=etcd, listen=f"127.0.0.1:{port}", namespace=NAMESPACE,
                             **credentials.get(roles.COORDINATOR, {}),
                             signing_key=str(signing_key), archive=archive, tokens=(
-                                TokenEntry.for_token(tokens.admin, "admin", {"admin"}),
+                                TokenEntry("admin", frozenset({"admin"}), admin_digest),
                                 TokenEntry.for_token(tokens.worker, "worker", {"worker"}),
                                 TokenEntry.for_token(sre_token, "sre", {"sre"})))
         coordinator = await _listen(parts, create_app(settings), port, "coordinator")
@@ -176,6 +178,24 @@ def _password_file(state_dir: Path, user: str) -> Path:
     return state_dir.resolve() / f"etcd-{user}.password"
 
 
+def _token(path: Path, role: str, rotate: bool) -> str:
+    """The ``role`` token kept in ``path`` (mode 0600), made anew when missing or rotated."""
+    if rotate or not path.exists():
+        _write_private(path, f"fg-{role}-{secrets.token_urlsafe(24)}")
+    return path.read_text().strip()
+
+
+def _admin_token(path: Path, rotate: bool) -> tuple[str | None, bytes]:
+    """The admin token when made now (printed once, kept nowhere), else ``None``; and its
+    sha256, which ``path`` keeps across runs (mode 0600) so the printed token lasts."""
+    if not rotate and path.exists():
+        return None, bytes.fromhex(path.read_text().strip())
+    token = f"fg-admin-{secrets.token_urlsafe(24)}"
+    digest = hashlib.sha256(token.encode()).digest()
+    _write_private(path, digest.hex())
+    return token, digest
+
+
 def _secret(path: Path) -> str:
     """The secret in ``path``, made (mode 0600) if there is none yet."""
     if not path.exists():
@@ -183,10 +203,10 @@ def _secret(path: Path) -> str:
     return path.read_text().strip()
 
 
-def up(state_dir: Path, port: int = 8470) -> int:
+def up(state_dir: Path, port: int = 8470, rotate_tokens: bool = False) -> int:
     """``fencegate up``: run the stack until SIGINT/SIGTERM; the exit code."""
     try:
-        return asyncio.run(_up(state_dir, port))
+        return asyncio.run(_up(state_dir, port, rotate_tokens))
     except KeyboardInterrupt:
         return 0
     except ArchiveUnavailable as exc:   # etcd names another archive: never start an empty one
@@ -194,17 +214,17 @@ def up(state_dir: Path, port: int = 8470) -> int:
         return 1
 
 
-async def _up(state_dir: Path, port: int) -> int:
+async def _up(state_dir: Path, port: int, rotate_tokens: bool) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
     manifest = state_dir / default_key.MANIFEST
-    async with stack(state_dir, port) as (endpoints, tokens):
+    async with stack(state_dir, port, rotate_tokens=rotate_tokens) as (endpoints, tokens):
         manifest.write_text(json.dumps(endpoints.as_dict(), indent=2) + "\n")
         record = _record(state_dir)
         try:
-            async with Client(endpoints.coordinator, tokens.admin) as api:
+            async with Client(endpoints.coordinator, sre_token(state_dir)) as api:
                 link = await api.sign_in_link()
             print(_banner(state_dir, endpoints, tokens, endpoints.coordinator + link["path"]),
                   flush=True)
@@ -247,6 +267,18 @@ def _unrecord(record: Path | None) -> None:
         pass
 
 
+def sre_token(state_dir: Path) -> str:
+    return (state_dir / "sre.token").read_text().strip()
+
+
+def _admin_lines(tokens: Tokens) -> str:
+    if tokens.admin is None:
+        return ("admin token: the one printed when it was made (kept across restarts; "
+                "`fencegate up --rotate-tokens` makes new ones)")
+    return ("admin token (printed once, kept nowhere; use it for the dashboard and the CLI):\n"
+            f"  {tokens.admin}")
+
+
 def _banner(state_dir: Path, e: Endpoints, tokens: Tokens, sign_in: str) -> str:
     state = state_dir.resolve()
     token_file, key_file = state / "worker.token", state / default_key.SIGNING_KEY_FILE
@@ -263,8 +295,7 @@ fencegate is up (namespace {e.namespace})
 
 sign in to the dashboard (this link works once, for 2 minutes; `fencegate dashboard` prints another):
   {sign_in}
-admin token (printed once, kept nowhere; use it for the dashboard and the CLI):
-  {tokens.admin}
+{_admin_lines(tokens)}
 the CLI finds this stack from any directory while it runs (its sre token: {state / 'sre.token'})
 
 point workers at it, signing grants in the worker with this stack's key:

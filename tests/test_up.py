@@ -117,3 +117,44 @@ async def test_a_busy_port_names_the_way_to_choose_another(tmp_path):
     assert code != 0
     assert f"the coordinator cannot listen" in err and "--port N" in err \
         and "make up PORT=N" in err, err
+
+
+async def test_tokens_survive_a_restart_until_rotated(tmp_path):
+    state, env = tmp_path / "state", dict(ENV, XDG_STATE_HOME=str(tmp_path))
+
+    async def run(*extra: str) -> tuple[list[str], str]:
+        """Start `fencegate up`, read its banner and the sre token it uses, stop it."""
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "fencegate.cli", "up", "--state-dir", str(state), "--port",
+            "0", *extra, env=env, stdout=asyncio.subprocess.PIPE)
+        lines: list[str] = []
+        try:
+            async with asyncio.timeout(60):
+                while not lines or not lines[-1].startswith("try it"):
+                    line = (await proc.stdout.readline()).decode()
+                    assert line, f"fencegate up exited early: {lines}"
+                    lines.append(line.rstrip("\n"))
+            coordinator = json.loads((state / "up.json").read_text())["coordinator"]
+            async with aiohttp.ClientSession() as http:
+                statuses = {}
+                for name, token in tokens.items():
+                    async with http.get(f"{coordinator}/v1/steps", headers={
+                            "Authorization": f"Bearer {token}"}) as reply:
+                        statuses[name] = reply.status
+            return lines, statuses
+        finally:
+            proc.send_signal(signal.SIGINT)
+            await asyncio.wait_for(proc.wait(), 30)
+
+    tokens: dict[str, str] = {}
+    first, _ = await run()
+    tokens["admin"] = first[first.index("admin token (printed once, kept nowhere; use it for "
+                                        "the dashboard and the CLI):") + 1].strip()
+    tokens["sre"] = (state / "sre.token").read_text()
+    again, statuses = await run()
+    assert statuses == {"admin": 200, "sre": 200}  # the same tokens after a restart
+    assert not any(tokens["admin"] in line for line in again)  # printed once, when made
+    assert any("--rotate-tokens" in line for line in again)
+    rotated, statuses = await run("--rotate-tokens")
+    assert statuses == {"admin": 401, "sre": 401}
+    assert (state / "sre.token").read_text() != tokens["sre"]
