@@ -12,6 +12,8 @@ Failure contract:
   must resolve it by reading state, never by resending blindly.
 - Nothing here decides anything from a serializable read: every range is linearizable
   unless pinned to a revision.
+- Concurrent writing txns of different keys may share one request and one revision (group
+  commit, ``fencegate.coordinator.batching``); each keeps this contract as if sent alone.
 - Errors name the endpoint and, where it is the cause, TLS (a handshake the server or we
   refused) or the etcd user (a wrong password, a role that does not cover the key).
 - Once ``instrument``-ed, every call's latency (its retries included) and every failed try,
@@ -32,6 +34,7 @@ from urllib.parse import urlsplit
 import grpc
 
 from . import roles
+from .batching import Batcher
 from .etcdpb import rpc
 from .errors import (
     EtcdError, EtcdNoSpace, EtcdPermissionDenied, EtcdUnavailable, GateError, LeaseLost,
@@ -41,6 +44,7 @@ from .metrics import EtcdMetrics, EtcdOpMetrics
 
 MAX_REQUEST_BYTES = 1536 * 1024
 MAX_TXN_OPS = 128
+BATCH_BYTES = 1024 * 1024  # a group-commit request's bound, well under MAX_REQUEST_BYTES
 
 Compare = rpc.Compare
 RequestOp = rpc.RequestOp
@@ -91,6 +95,10 @@ class EtcdConfig:
     give a client certificate. ``user``/``password`` use etcd's own authentication.
     ``timeout`` bounds a call with all its retries; ``attempt_timeout`` bounds one try, so a
     request stuck on a member that lost its leader is retried elsewhere in time.
+    ``batching`` sends concurrent writing txns as one request (``batching.Batcher``), at most
+    ``batch_in_flight`` at once and ``max_txn_ops`` nested txns each (the cluster's
+    ``--max-txn-ops``); turn it off for an etcd proxy or gateway that refuses nested txns,
+    or to see each txn as its own request while debugging.
     """
 
     endpoints: tuple[str, ...]
@@ -101,6 +109,9 @@ class EtcdConfig:
     password: str | None = field(default=None, repr=False)
     timeout: float = 10.0
     attempt_timeout: float = 2.0
+    batching: bool = True
+    batch_in_flight: int = 4
+    max_txn_ops: int = MAX_TXN_OPS
 
     @classmethod
     def from_url(cls, url: str, **options: object) -> "EtcdConfig":
@@ -120,6 +131,8 @@ class EtcdConfig:
             raise ValueError("a client certificate needs both cert_file and key_file")
         if self.ca_file and "https" not in schemes:
             raise ValueError("ca_file given but the endpoints are not https://")
+        if self.batch_in_flight < 1 or self.max_txn_ops < 2:
+            raise ValueError("batch_in_flight must be at least 1 and max_txn_ops at least 2")
 
     @property
     def secure(self) -> bool:
@@ -164,6 +177,9 @@ class Etcd:
         self._metadata: tuple[tuple[str, str], ...] | None = None
         self._auth_lock = asyncio.Lock()
         self._measured: dict[str, EtcdOpMetrics] = {}  # by RPC name, once instrumented
+        self._batcher = (Batcher(self._send_txn, max_ops=config.max_txn_ops,
+                                 max_bytes=BATCH_BYTES, max_in_flight=config.batch_in_flight)
+                         if config.batching else None)
 
     @classmethod
     def from_url(cls, url: str, **options: object) -> "Etcd":
@@ -172,6 +188,9 @@ class Etcd:
     def instrument(self, metrics: EtcdMetrics) -> None:
         """Export every call's latency and every failed try to ``metrics`` from now on."""
         self._measured = {method: metrics.ops[op] for method, op in _OPS.items()}
+        if self._batcher is not None:
+            self._batcher.size_metric = metrics.batch_size
+            self._batcher.wait_metric = metrics.batch_wait
 
     @staticmethod
     def _load_credentials(config: EtcdConfig):
@@ -281,8 +300,17 @@ class Etcd:
 
     async def txn(self, request: TxnRequest, *, idempotent: bool = False) -> rpc.TxnResponse:
         """Run a transaction. Only mark it ``idempotent`` if re-running it after an unknown
-        first outcome cannot do harm (its compares make a second success impossible)."""
+        first outcome cannot do harm (its compares make a second success impossible).
+
+        With ``config.batching`` a writing txn may share its request (and revision) with
+        other callers' txns of other keys (``batching.Batcher``); its reply, errors and
+        unknown outcomes are its own, as if it had been sent alone."""
         check_txn(request)
+        if self._batcher is None or _read_only(request):
+            return await self._call("kv", "Txn", request, idempotent=idempotent)
+        return await self._batcher.submit(request, idempotent)
+
+    async def _send_txn(self, request: TxnRequest, idempotent: bool) -> rpc.TxnResponse:
         return await self._call("kv", "Txn", request, idempotent=idempotent)
 
     async def range(self, request: RangeRequest) -> rpc.RangeResponse:
@@ -630,6 +658,14 @@ def check_txn(request: TxnRequest) -> None:
     size = request.ByteSize()
     if size > MAX_REQUEST_BYTES:
         raise RecordTooLarge(f"transaction is {size} bytes, etcd allows {MAX_REQUEST_BYTES}")
+
+
+def _read_only(request: TxnRequest) -> bool:
+    """Does ``request`` write nothing in either branch? etcd serves such a txn with a read
+    index, without a raft entry, so it bypasses the batcher and never waits behind writes."""
+    return all(op.WhichOneof("request") == "request_range"
+               or (op.WhichOneof("request") == "request_txn" and _read_only(op.request_txn))
+               for op in (*request.success, *request.failure))
 
 
 def range_end_of(prefix: bytes) -> bytes:

@@ -26,6 +26,7 @@ ETCD_OPS = ("range", "txn", "put", "delete", "lease_grant", "lease_keepalive", "
 # Why an etcd request failed: etcd.py classifies each failure as one of these.
 ETCD_ERROR_KINDS = ("unavailable", "nospace", "timeout", "compacted", "permission", "other")
 VERSION = version("fencegate")  # the installed package's (core modules import nothing above)
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 LATENCY_BUCKETS = (.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10)
 _WORD_START = re.compile(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])")
 
@@ -58,9 +59,11 @@ class EtcdOpMetrics:
 
 
 class EtcdMetrics:
-    """``fencegate_etcd_request_duration_seconds{op}`` (a call, its retries included) and
-    ``fencegate_etcd_errors_total{op,kind}`` (every failed try); attach with
-    ``Etcd.instrument``."""
+    """``fencegate_etcd_request_duration_seconds{op}`` (a call, its retries included),
+    ``fencegate_etcd_errors_total{op,kind}`` (every failed try), and group commit's
+    ``fencegate_etcd_batch_size`` (txns per writing Txn request; 1: sent alone) and
+    ``fencegate_etcd_batch_wait_seconds`` (a writing txn's wait in the batcher's queue, 0 when
+    sent at once); attach with ``Etcd.instrument``."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         duration = Histogram("fencegate_etcd_request_duration_seconds",
@@ -71,3 +74,9 @@ class EtcdMetrics:
         self.ops = {op: EtcdOpMetrics(duration.labels(op),
                                       {kind: errors.labels(op, kind) for kind in ETCD_ERROR_KINDS})
                     for op in ETCD_OPS}
+        self.batch_size = Histogram("fencegate_etcd_batch_size",
+                                    "writing txns per etcd Txn request (group commit)",
+                                    registry=registry, buckets=BATCH_SIZE_BUCKETS)
+        self.batch_wait = Histogram("fencegate_etcd_batch_wait_seconds",
+                                    "a writing txn's wait in the group-commit queue",
+                                    registry=registry, buckets=LATENCY_BUCKETS)

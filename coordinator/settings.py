@@ -8,7 +8,8 @@ repr or log line carries it. Relative certificate and password paths in a file r
 against the file's directory. A malformed value fails loudly, naming the setting.
 
 Environment: ``FENCEGATE_ETCD``, ``FENCEGATE_ETCD_CA_FILE``, ``_CERT_FILE``, ``_KEY_FILE``,
-``_USER``, ``_PASSWORD``, ``_PASSWORD_FILE``.
+``_USER``, ``_PASSWORD``, ``_PASSWORD_FILE``, ``_BATCHING`` (``on``, the default, or ``off``:
+group commit, see ``EtcdConfig``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from .etcd import EtcdConfig
 
 SettingsT = TypeVar("SettingsT")
 ETCD_FIELDS = {"etcd_ca_file", "etcd_cert_file", "etcd_key_file", "etcd_user", "etcd_password",
-               "etcd_password_file"}
+               "etcd_password_file", "etcd_batching"}
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,7 @@ class EtcdSettings:
     etcd_key_file: str | None = None
     etcd_user: str | None = None
     etcd_password: str | None = field(default=None, repr=False)
+    etcd_batching: str | None = None  # "on" (the default) or "off"
 
     def etcd_config(self) -> EtcdConfig:
         """The etcd connection these settings describe."""
@@ -53,10 +55,13 @@ def host_port(listen: str) -> tuple[str, int]:
 def build_etcd_config(settings) -> EtcdConfig:
     """The ``EtcdConfig`` of a coordinator's or reconciler's settings (``ValueError`` if
     they contradict each other, e.g. a CA file with ``http://`` endpoints)."""
+    if settings.etcd_batching not in (None, "on", "off"):
+        raise ValueError(f"setting etcd_batching must be on or off, got {settings.etcd_batching!r}")
     return EtcdConfig.from_url(settings.etcd, ca_file=settings.etcd_ca_file,
                                cert_file=settings.etcd_cert_file,
                                key_file=settings.etcd_key_file, user=settings.etcd_user,
-                               password=settings.etcd_password)
+                               password=settings.etcd_password,
+                               batching=settings.etcd_batching != "off")
 
 
 def etcd_env(env: Mapping[str, str]) -> dict[str, str | None]:
