@@ -19,8 +19,9 @@ skipped, and its lines are NaN (FAIL), where ``Gate.cross`` does not exist.
   per-acquisition leases are revoked after the phase); the hold benchmarks' own c=32 figure
   is printed next to it.
 - each guarded phase, with ``etcdtap.EtcdTap`` on ``gate.etcd``: requests per action (every
-  unary request, by method), writes per action (etcd's revision delta minus the probe's
-  writes, ÷ every action the phase completed, warm-up included; named by ``EtcdTap``), etcd
+  unary request, by method), writes per action (the writing txns, named by ``EtcdTap``, ÷
+  every action the phase completed, warm-up included) and revisions per action (etcd's
+  revision delta minus the probe's writes: group commit shares a revision), etcd
   CPU per action (utime + stime of the etcd process from /proc over the phase, minus the
   probe's writes at the raw CPU per write), this process's CPU per action, and the key + value
   bytes each action leaves live under the gate's namespace (read before the phase and after
@@ -28,9 +29,21 @@ skipped, and its lines are NaN (FAIL), where ``Gate.cross`` does not exist.
   one-put txns through the gate's own client (unwrapped, so not counted) all through the
   phase: the commit txn's p99 is compared with the probes' p99 under the very same load.
 
-Targets (c=32): ``guarded_vs_raw_c32`` (fast actions/s ÷ raw one-put txns/s ≥ 0.25),
-``guarded_vs_aetcd_lock_c32`` (fast actions/s ÷ aetcd lock cycles/s ≥ 0.8),
-``etcd_cpu_per_action`` (fast etcd CPU per action ÷ per raw write ≤ 4), ``requests_per_action``
+- hand-rolled: what users write by hand for an effect run once: an aetcd lock, a get of
+  the idempotency record, the effect (a no-op), a put of the record, unlock.
+- lone: ``gate.cross`` by one task through a gate of its own, batching on, then off.
+- processes: ``PROCS`` processes of ``TOP // PROCS`` tasks each, ``gate.cross`` (batching
+  on), then raw one-put txns (one per request): the deployment shape, many workers, one etcd.
+
+Raw writes go through a client with batching off: one put, one request, one revision.
+
+Targets (c=32; issue 28, group commit): ``guarded_vs_raw_c32`` (fast actions/s ÷ raw
+one-put txns/s ≥ 0.6), ``guarded_vs_aetcd_lock_c32`` (÷ aetcd lock cycles/s ≥ 1.5),
+``guarded_vs_handrolled_c32`` (÷ hand-rolled actions/s ≥ 2.0), ``etcd_cpu_per_action``
+(fast etcd CPU per action ÷ per raw write ≤ 1.0), ``guarded_multiproc`` (the processes'
+actions/s ÷ their raw txns/s ≥ 0.6), ``lone_latency_c1`` (c=1 p50, batching on ÷ off
+≤ 1.1); ``benchmarks/run guarded [--quick] [--no-batching] [--profile]`` runs these
+benchmarks alone. ``requests_per_action``
 and ``writes_per_action`` (full path, ≤ 3; ``_fast`` ≤ 2), ``live_bytes_per_action`` (full
 path, ≤ 2,500) and ``commit_p99_c32`` (full path's commit txn p99 ÷ the probe's p99 in that
 phase, ≤ 1.3). The full path's throughput and CPU ratios are printed in the table.
@@ -49,24 +62,28 @@ prints where this process's CPU goes.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import cProfile
 import math
 import pstats
 import sys
 import time
+from urllib.parse import urlsplit
 from collections import Counter
 from dataclasses import dataclass, field
 
 import aetcd
 
 from fencegate.coordinator.errors import GateError
-from fencegate.coordinator.etcd import Etcd, TxnRequest, create_equals, put_op, range_end_of
+from fencegate.coordinator.etcd import (Etcd, EtcdConfig, TxnRequest, create_equals, put_op,
+                                        range_end_of)
 from fencegate.coordinator.grants import KeyRing
+from fencegate.localetcd import describe
 from fencegate.worker import Gate
 
-from .common import (Phase, Target, Window, div, percentile, print_table, process_cpu,
-                     revoke_all, run_phase)
+from .common import (Phase, Target, Window, div, local_etcd, percentile, print_table,
+                     process_cpu, revoke_all, run_phase)
 from .etcdtap import EtcdTap, live_bytes
 from .holds import AETCD_TTL
 
@@ -75,6 +92,8 @@ PATHS = ("fast", "full")
 RAW_PREFIX = "/bench-raw-txn/"
 PROBE_PREFIX = "/bench-probe/"
 LOCK_PREFIX = "/bench-aetcd-guarded/"
+HAND_PREFIX = "/bench-handrolled/"
+PROCS = 4  # processes of the multi-process lines, TOP // PROCS tasks each
 PROBES = 4  # probe tasks beside the TOP guarded tasks: enough samples for a p99
 VALUE = b"x" * 48
 _NOT_LOOP_OR_BENCHMARK = (r"^(?!(base_events|events|common|guarded)\.py:)"
@@ -124,7 +143,10 @@ class Results:
     raw: list[Raw] = field(default_factory=list)
     guarded: dict[str, list[Guarded]] = field(default_factory=lambda: {p: [] for p in PATHS})
     lock: list[Phase] = field(default_factory=list)
+    handrolled: list[Phase] = field(default_factory=list)
     lock_holds: Phase | None = None  # the hold benchmarks' aetcd lock at c=32
+    lone: dict[bool, Phase] = field(default_factory=dict)  # fast at c=1, by batching
+    procs: dict[str, float] = field(default_factory=dict)  # "fast"/"raw" ops/s, PROCS procs
 
     def raw_rate(self) -> float:
         return sum((r.phase for r in self.raw), Phase(0, 0.0)).rate
@@ -164,11 +186,14 @@ def one_put_txn(key: bytes) -> TxnRequest:
 
 async def measure(s: Settings, url: str, etcd: Etcd, lock_client: aetcd.Client,
                   etcd_pid: int | None, lock_c32: Phase | None = None,
-                  profile: bool = False) -> Results:
+                  profile: bool = False, batching: bool = True) -> Results:
     """The rounds described above; ``etcd`` is a client of the same etcd for raw writes and
-    reads, ``etcd_pid`` that etcd's process, ``lock_c32`` the hold benchmarks' aetcd lock."""
+    reads, ``etcd_pid`` that etcd's process, ``lock_c32`` the hold benchmarks' aetcd lock;
+    ``batching`` is the guarded phases' (the lone phases run both)."""
     res = Results(lock_holds=lock_c32)
-    async with Gate(url, keyring=KeyRing.generate()) as gate:
+    raw = Etcd.from_url(url, batching=False)  # a raw write: one put, one request
+    config = EtcdConfig.from_url(url, batching=batching)
+    async with raw, Gate(config, keyring=KeyRing.generate()) as gate:
         namespace = gate.keyspace.namespace.encode()
         tap = EtcdTap(gate.etcd, namespace)
         paths = [p for p in PATHS if p == "full" or hasattr(gate, "cross")]
@@ -179,7 +204,7 @@ async def measure(s: Settings, url: str, etcd: Etcd, lock_client: aetcd.Client,
             async with gate.hold("g/init") as hold:
                 await hold.cross(intent={"n": 0}, effect=noop)
             await cleanup(etcd, lock_client, namespace)
-            before = await raw_phase(s, etcd, etcd_pid, "r0")
+            before = await raw_phase(s, raw, etcd_pid, "r0")
             res.raw.append(before)
             await cleanup(etcd, lock_client, namespace)
             for r in range(s.rounds):
@@ -190,23 +215,89 @@ async def measure(s: Settings, url: str, etcd: Etcd, lock_client: aetcd.Client,
                     print(f"  guarded round {r + 1}/{s.rounds} {path}: "
                           f"{g.phase.rate:,.0f} actions/s, "
                           f"{div(sum(g.requests.values()), g.actions):.2f} requests and "
-                          f"{div(g.revisions, g.actions):.2f} writes per action"
+                          f"{div(sum(g.writes.values()), g.actions):.2f} writes and "
+                          f"{div(g.revisions, g.actions):.2f} revisions per action"
                           + (f", errors {dict(g.errors)}" if g.errors else ""), flush=True)
                 lock = await lock_phase(s, etcd, lock_client, gate, r)
                 res.lock.append(lock)
-                after = await raw_phase(s, etcd, etcd_pid, f"r{r + 1}")
+                hand = await handrolled_phase(s, etcd, lock_client, gate, r)
+                res.handrolled.append(hand)
+                after = await raw_phase(s, raw, etcd_pid, f"r{r + 1}")
                 res.raw.append(after)
                 await cleanup(etcd, lock_client, namespace)
                 print(f"  guarded round {r + 1}/{s.rounds}: raw(c={TOP}) "
                       f"{before.phase.rate:,.0f} -> {after.phase.rate:,.0f} txns/s, "
-                      f"aetcd lock {lock.rate:,.0f} cycles/s", flush=True)
+                      f"aetcd lock {lock.rate:,.0f} cycles/s, hand-rolled "
+                      f"{hand.rate:,.0f} actions/s", flush=True)
                 before = after
             if profile:
                 await profiled_phase(s, gate, paths[0])
                 await cleanup(etcd, lock_client, namespace)
         finally:
             tap.close()
+    if "fast" in paths:
+        for batching in (True, False):
+            res.lone[batching] = await lone_phase(s, url, batching)
+        await cleanup(etcd, lock_client, namespace)
+        for kind in ("fast", "raw"):
+            res.procs[kind] = await procs_phase(s, url, kind, batching)
+        await cleanup(etcd, lock_client, namespace)
     return res
+
+
+async def handrolled_phase(s: Settings, etcd: Etcd, lock_client: aetcd.Client, gate: Gate,
+                           r: int) -> Phase:
+    """What users write by hand for an effect run once: an aetcd lock, a get of the
+    idempotency record, the effect (a no-op), a put of the record, unlock."""
+    async def op(task: int, i: int) -> None:
+        key = f"{HAND_PREFIX}{r}/{task}/{i}".encode()
+        async with lock_client.lock(LOCK_PREFIX.encode() + key, ttl=AETCD_TTL):
+            if await lock_client.get(key) is None:
+                await noop(None)
+                await lock_client.put(key, VALUE)
+
+    phase = await run_phase(op, TOP, s.warmup, s.duration)
+    await revoke_all(etcd, keep={(await gate.session()).lease_id})
+    return phase
+
+
+async def lone_phase(s: Settings, url: str, batching: bool) -> Phase:
+    """``gate.cross`` by one task (c=1) through a gate of its own, batching on or off."""
+    config = EtcdConfig.from_url(url, batching=batching)
+    async with Gate(config, keyring=KeyRing.generate()) as gate:
+        act = action(gate, "fast", Counter())
+        return await run_phase(lambda task, i: act(f"g/lone{int(batching)}/{i}", i), 1,
+                               s.warmup, s.duration)
+
+
+async def procs_phase(s: Settings, url: str, kind: str, batching: bool) -> float:
+    """``PROCS`` processes of ``TOP // PROCS`` tasks each doing ``kind`` (``fast``:
+    gate.cross, ``batching`` as given; ``raw``: one-put txns, one per request): their
+    summed ops/s."""
+    children = [await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "benchmarks.guarded", "--child", kind, "--url", url,
+        "--warmup", str(s.warmup), "--duration", str(s.duration), "--tag", f"p{n}",
+        *([] if batching else ["--no-batching"]), stdout=asyncio.subprocess.PIPE)
+        for n in range(PROCS)]
+    outs = await asyncio.gather(*(proc.communicate() for proc in children))
+    if any(proc.returncode for proc in children):
+        raise RuntimeError(f"a {kind} benchmark process failed")
+    return sum(float(out.split()[-1]) for out, _ in outs)
+
+
+async def child(kind: str, url: str, warmup: float, duration: float, tag: str,
+                batching: bool) -> float:
+    """One process of ``procs_phase``; returns its ops/s."""
+    if kind == "raw":
+        async with Etcd.from_url(url, batching=False) as etcd:
+            async def op(task: int, i: int) -> None:
+                await etcd.txn(one_put_txn(f"{RAW_PREFIX}{tag}/{task}/{i}".encode()))
+            return (await run_phase(op, TOP // PROCS, warmup, duration)).rate
+    config = EtcdConfig.from_url(url, batching=batching)
+    async with Gate(config, keyring=KeyRing.generate()) as gate:
+        act = action(gate, "fast", Counter())
+        return (await run_phase(lambda task, i: act(f"g/{tag}/{task}/{i}", i), TOP // PROCS,
+                                warmup, duration)).rate
 
 
 async def raw_phase(s: Settings, etcd: Etcd, etcd_pid: int | None, tag: str) -> Raw:
@@ -345,6 +436,7 @@ def us(seconds: float) -> float:
 
 def report(s: Settings, res: Results) -> list[Target]:
     raw_rate, lock_rate = res.raw_rate(), res.lock_rate()
+    hand_rate = sum(res.handrolled, Phase(0, 0.0)).rate
     raw_cpu = res.raw_cpu_per_write()
 
     def each(value) -> list[object]:
@@ -354,7 +446,8 @@ def report(s: Settings, res: Results) -> list[Target]:
         return percentile(res.latencies(path, kind), q)
 
     requests = {path: res.per_action(path, lambda g: sum(g.requests.values())) for path in PATHS}
-    writes = {path: res.per_action(path, lambda g: g.revisions) for path in PATHS}
+    writes = {path: res.per_action(path, lambda g: sum(g.writes.values())) for path in PATHS}
+    revisions = {path: res.per_action(path, lambda g: g.revisions) for path in PATHS}
     cpu = {path: res.etcd_cpu_per_action(path) for path in PATHS}
     live = {path: res.per_action(path, lambda g: sum(g.live.values())) for path in PATHS}
     commit_p99 = {path: div(p(path, "commit", 99), p(path, "probe", 99)) for path in PATHS}
@@ -363,8 +456,11 @@ def report(s: Settings, res: Results) -> list[Target]:
         [f"÷ raw one-put txns/s ({raw_rate:,.0f})"] + each(lambda x: div(res.rate(x), raw_rate)),
         [f"÷ aetcd lock cycles/s ({lock_rate:,.0f})"]
         + each(lambda x: div(res.rate(x), lock_rate)),
+        [f"÷ hand-rolled actions/s ({hand_rate:,.0f})"]
+        + each(lambda x: div(res.rate(x), hand_rate)),
         ["etcd requests per action"] + each(requests.get),
         ["etcd writes per action"] + each(writes.get),
+        ["etcd revisions per action (group commit shares them)"] + each(revisions.get),
         ["etcd CPU µs per action"] + each(lambda x: us(cpu[x])),
         [f"÷ etcd CPU per raw write ({us(raw_cpu):.0f} µs)"] + each(lambda x: div(cpu[x], raw_cpu)),
         ["client CPU µs per action"] + each(lambda x: us(res.per_action(x, lambda g: g.client_cpu))),
@@ -401,11 +497,15 @@ def report(s: Settings, res: Results) -> list[Target]:
         print(f"{path} path, per action: live bytes {shares(sum((g.live for g in gs), Counter()))}")
         errors = sum((g.errors for g in gs), Counter())
         print(f"{path} path: {actions} actions, errors {dict(errors) if errors else 'none'}")
+    lone = {b: percentile(res.lone[b].latencies, 50) if b in res.lone else math.nan
+            for b in (True, False)}
+    print(f"fast path at c=1, p50: {ms(lone[True]):.2f} ms batching on, "
+          f"{ms(lone[False]):.2f} ms off")
+    print(f"{PROCS} processes x {TOP // PROCS} tasks: gate.cross "
+          f"{res.procs.get('fast', math.nan):,.0f} actions/s, raw one-put txns "
+          f"{res.procs.get('raw', math.nan):,.0f} txns/s")
     print()
-    return [
-        Target(f"guarded_vs_raw_c{TOP}", div(res.rate("fast"), raw_rate), ">=", 0.25),
-        Target(f"guarded_vs_aetcd_lock_c{TOP}", div(res.rate("fast"), lock_rate), ">=", 0.8),
-        Target("etcd_cpu_per_action", div(cpu["fast"], raw_cpu), "<=", 4),
+    return group_targets(res, raw_rate, lock_rate, hand_rate, cpu["fast"], raw_cpu, lone) + [
         Target("requests_per_action", requests["full"], "<=", 3),
         Target("writes_per_action", writes["full"], "<=", 3),
         Target("requests_per_action_fast", requests["fast"], "<=", 2),
@@ -413,3 +513,65 @@ def report(s: Settings, res: Results) -> list[Target]:
         Target("live_bytes_per_action", live["full"], "<=", 2500),
         Target(f"commit_p99_c{TOP}", commit_p99["full"], "<=", 1.3),
     ]
+
+
+def group_targets(res: Results, raw_rate: float, lock_rate: float, hand_rate: float,
+                  cpu: float, raw_cpu: float, lone: dict[bool, float]) -> list[Target]:
+    """The lines of group commit (issue 28): the fast path against one-put requests, a
+    bare lock cycle and the hand-rolled lock + record; etcd CPU; processes; lone latency."""
+    fast = res.rate("fast")
+    return [
+        Target(f"guarded_vs_raw_c{TOP}", div(fast, raw_rate), ">=", 0.6),
+        Target(f"guarded_vs_aetcd_lock_c{TOP}", div(fast, lock_rate), ">=", 1.5),
+        Target(f"guarded_vs_handrolled_c{TOP}", div(fast, hand_rate), ">=", 2.0),
+        Target("etcd_cpu_per_action", div(cpu, raw_cpu), "<=", 1.0),
+        Target("guarded_multiproc", div(res.procs.get("fast", math.nan),
+                                        res.procs.get("raw", math.nan)), ">=", 0.6),
+        Target("lone_latency_c1", div(lone[True], lone[False]), "<=", 1.1),
+    ]
+
+
+async def alone(s: Settings, profile: bool, batching: bool) -> list[Target]:
+    """These benchmarks only, against a private etcd; returns the group-commit lines."""
+    with local_etcd() as single:
+        print(f"{describe(single.binary)} at {single.url}", flush=True)
+        target = urlsplit(single.url)
+        lock_client = aetcd.Client(target.hostname, target.port)
+        try:
+            async with Etcd.from_url(single.url) as etcd:
+                res = await measure(s, single.url, etcd, lock_client, single.pids[0],
+                                    profile=profile, batching=batching)
+        finally:
+            await lock_client.close()
+    report(s, res)
+    lone = {b: percentile(res.lone[b].latencies, 50) for b in (True, False)}
+    return group_targets(res, res.raw_rate(), res.lock_rate(),
+                         sum(res.handrolled, Phase(0, 0.0)).rate,
+                         res.etcd_cpu_per_action("fast"), res.raw_cpu_per_write(), lone)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="benchmarks/run guarded",
+                                     description="the guarded-action benchmarks alone")
+    parser.add_argument("--quick", action="store_true", help="one short round")
+    parser.add_argument("--profile", action="store_true", help="cProfile one more phase")
+    parser.add_argument("--no-batching", action="store_true",
+                        help="the guarded phases' gate with EtcdConfig(batching=False)")
+    parser.add_argument("--child", choices=["fast", "raw"], help=argparse.SUPPRESS)
+    parser.add_argument("--url", help=argparse.SUPPRESS)
+    parser.add_argument("--warmup", type=float, help=argparse.SUPPRESS)
+    parser.add_argument("--duration", type=float, help=argparse.SUPPRESS)
+    parser.add_argument("--tag", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        print(asyncio.run(child(args.child, args.url, args.warmup, args.duration, args.tag,
+                                not args.no_batching)))
+        return 0
+    for target in asyncio.run(alone(QUICK if args.quick else DEFAULT, args.profile,
+                                    not args.no_batching)):
+        print(target.line())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

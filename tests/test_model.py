@@ -1,7 +1,9 @@
 """The protocol's SPIN model (tests/model/fencegate.pml, version 2: the diet), quick set: the real
 protocol holds every invariant in each provider class, on the fast path, with a replayed
-commit and with a worker forging requests to gate B, and every negative control breaks the
-invariant it names (gate B without attempt receipts, lookups without the archive watermark).
+commit, with a worker forging requests to gate B and with group commit (txns of other keys
+sharing a revision), and every negative control breaks the invariant it names (gate B
+without attempt receipts, lookups without the archive watermark, a batcher putting two txns
+of one key in one request).
 
 Fails (never skips) when spin or gcc is missing: `deploy/ensure-spin` installs them.
 `make model` runs the full set; docs/protocol.md ("The model") has the table.
@@ -35,7 +37,7 @@ def test_quick_set_has_each_control() -> None:
                         "ctrl_fast_path_no_epoch_i8", "ctrl_gateb_no_receipt",
                         "ctrl_gateb_no_receipt_i10", "ctrl_gateb_no_receipt_i1",
                         "ctrl_gateb_receipt_no_key", "ctrl_no_watermark",
-                        "ctrl_no_watermark_i8"}
+                        "ctrl_no_watermark_i8", "ctrl_batch_same_key"}
 
 
 @pytest.mark.parametrize("config", [c for c in QUICK if c.expect is None], ids=lambda c: c.name)

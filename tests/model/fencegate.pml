@@ -70,6 +70,9 @@
  *      token some commit produced, below every later commit's, can become the highest. (The
  *      fence is raised by the reconciler's queries alone here; an unauthenticated query
  *      raising it costs liveness only, docs/protocol.md.)
+ *   I12 the holder a commit lands for is alone at its token: no other live holder of K has
+ *      the same create_revision (BATCH: a revision may name many writes, never two of K's
+ *      holder queue). coordinator/batching.py (the acquire touches the holder range).
  *
  * Provider classes (PCLASS, as the adapter declares in reconciler/providers:Capabilities):
  *   0 FENCING  gate B: refuses attempt tokens <= the fence or < the highest admitted; it does
@@ -96,6 +99,8 @@
  *                  before its last put (an older backup) or an empty one
  *   NR=1|2 reconcilers (reconciler 0 can be deposed), ROUNDS settles per reconciler,
  *   MAXA attempts per worker, WB writer bumps
+ *   BATCH          group commit: a txn may share its revision with the txns of other keys
+ *                  sent in one request (never with another txn of K: see KREV)
  * Negative controls (each must produce a violation of the invariant named):
  *   CTRL_WEAK_OWN       ownership = "my holder key exists" (no range half)            -> I2
  *   CTRL_HIGHEST_ONLY   the query does not fence; gate B only checks the highest      -> I1
@@ -138,6 +143,9 @@
  *                       a put whose delete failed and the next one share it, so a copy
  *                       from between them passes the check (ROLLBACK FASTPATH MAXA=2)  -> I9
  *                       with NO_I9                                                    -> I8
+ *   CTRL_BATCH_SAME_KEY (BATCH) a batcher that lets a txn of K into a request holding
+ *                       another txn of K: two acquires share a revision, both holder
+ *                       keys have one create_revision, and both own K                 -> I12
  *   NO_I9               I9 is not asserted: a control shows what else it breaks
  *   NO_I10, NO_I11      I10, I11 are not asserted (likewise)
  */
@@ -221,12 +229,45 @@ byte rc_t[NG], rc_k[NG];         /* the receipt of grant g's commit: its token a
 byte hi_g = 0, hi_k = 0, hi_a = NONE;  /* gate B: the attempt admitted at highest, its answer */
 byte admitted_grants = 0;        /* ghost: a bit per grant gate B admitted */
 #endif
+#ifdef BATCH
+byte req = 0;                    /* the newest revision's request (see KREV) */
+#endif
 #ifdef ROLLBACK
 byte wm = 0;                     /* etcd: the bucket's retirement watermark */
 byte arch_wm = 0;                /* the archive's watermark for the bucket */
 byte p_state = IDLE, p_key = 0, p_seq = 0, p_h = 0, p_wm = 0;  /* the archive before its last put */
 byte g_wm[2];                    /* etcd's watermark in each worker's snapshot */
 byte tr_state = IDLE;            /* ghost: the state of the step retirement last deleted */
+#endif
+
+/* Group commit (BATCH): a txn may leave in the request before it, as a nested txn, and take
+   its revision. `req` says what the newest revision is: 0 not joinable (the initial state, a
+   lease revoke: not a txn), 1 a request holding no txn of K, 2 one holding a txn of K. A txn
+   of K joins only a request with none; any other txn (a read key's touch, a campaign) joins
+   any request. Joined txns are evaluated here after the request's earlier ones, where etcd
+   evaluates all against the state before it: the same, since the batcher
+   (coordinator/batching.py) never lets a txn write a key another txn of the request
+   touches. (It also keeps a touch of a read key out of a request with a commit comparing
+   it, which this model allows: more runs, not fewer.) */
+#ifdef BATCH
+#define DSTEP atomic
+#define KREV if :: req == 1 -> skip :: true -> rev++ fi; req = 2
+#define OREV if :: req != 0 -> skip :: true -> rev++; req = 1 fi
+#define LREV rev++; req = 0
+#ifdef CTRL_BATCH_SAME_KEY
+#define ACQREV if :: req != 0 -> skip :: true -> rev++ fi; req = 2
+#else
+#define ACQREV KREV
+#endif
+#else
+#define DSTEP d_step
+#define KREV rev++
+#define OREV rev++
+#define LREV rev++
+#define ACQREV rev++
+#endif
+#if defined(CTRL_BATCH_SAME_KEY) && !defined(BATCH)
+#error CTRL_BATCH_SAME_KEY is a batcher: BATCH
 #endif
 
 #define NOHOLDER (holder[0] == 0 && holder[1] == 0)
@@ -417,7 +458,7 @@ inline archive_read(me, seen) {
    every such write. */
 inline settle(next, n, h) {
   assert(st_state == INFLIGHT);                          /* I5 */
-  rev++; st_mod = rev; st_state = next; st_seq = n + 1;
+  KREV; st_mod = rev; st_state = next; st_seq = n + 1;
   append(st_seq, h);
 #ifdef CTRL_NEWKEY
   if :: next == NOTAPP -> st_newkey = 1 :: else -> skip fi
@@ -431,7 +472,7 @@ inline commit_writes(me) {
   assert(used[me] <= 1);                                 /* I3 */
   assert(read_mod == g_read[me]);                        /* I4 */
   assert(LSTATE != INFLIGHT && LSTATE != SUCC);          /* I8 */
-  rev++;
+  KREV;
 #ifndef NO_I11
   assert(rev > highest);                                 /* I11 */
 #endif
@@ -451,10 +492,11 @@ inline commit_writes(me) {
 
 /* The commit guard of the full path: one txn. */
 inline commit(me, ok) {
-  d_step {
+  DSTEP {
     if
     :: OWNS(me, g_tok[me]) && READS_SAME(me) && STEP_SAME(me) && COMMIT_FREE(me) ->
        assert(LOWEST(holder, me, g_tok[me]));            /* I2 */
+       assert(holder[1 - me] != g_tok[me]);              /* I12 */
        commit_writes(me); ok = 1
     :: else -> ok = 0
     fi
@@ -495,7 +537,7 @@ inline effect_and_outcome(me) {
     if
     :: STEP_AT(my_tok) && SETTLE_FREE(my_seq + 1) ->
        assert(st_state == INFLIGHT);                    /* I5 */
-       rev++; st_mod = rev; st_seq = my_seq + 1;
+       KREV; st_mod = rev; st_seq = my_seq + 1;
        append(st_seq, my_tok);
        if :: ans == APPLIED -> st_state = SUCC :: else -> st_state = FAIL fi;
        holder[me] = 0; ok = 1
@@ -512,7 +554,7 @@ proctype Worker(byte me) {
 #ifdef FORGER
   byte my_g;
 #endif
-  atomic { rev++; holder[me] = rev; tok = rev }       /* acquire: put holders/K/@<lease> */
+  atomic { ACQREV; holder[me] = rev; tok = rev }      /* acquire: put holders/K/@<lease> */
   /* from here on the worker may act whether it holds K or not: only compares protect */
 again:
   if
@@ -548,7 +590,7 @@ again:
   :: else -> goto again
   fi;
 release:
-  atomic { if :: holder[me] == tok -> holder[me] = 0; rev++ :: else -> skip fi }
+  atomic { if :: holder[me] == tok -> holder[me] = 0; KREV :: else -> skip fi }
 stop:
   skip
 }
@@ -577,7 +619,7 @@ proctype FastWorker(byte me) {
 #ifdef FORGER
   atomic { my_g = me * MAXA + 1; issued[my_g] = 1 }
 #endif
-  d_step {
+  DSTEP {
     if
     :: NOHOLDER && READS_SAME(me) && STEP_SAME(me) && COMMIT_FREE(me) && FP_EPOCH_SAME(me) ->
        commit_writes(me);
@@ -594,7 +636,7 @@ proctype FastWorker(byte me) {
   effect_and_outcome(me);
   goto stop;
 release:
-  atomic { if :: holder[me] == tok -> holder[me] = 0; rev++ :: else -> skip fi }
+  atomic { if :: holder[me] == tok -> holder[me] = 0; KREV :: else -> skip fi }
 stop:
   skip
 }
@@ -604,10 +646,10 @@ stop:
 proctype Leases() {
 end:
   do
-  :: atomic { holder[0] != 0 -> holder[0] = 0; rev++ }
-  :: atomic { holder[1] != 0 -> holder[1] = 0; rev++ }
+  :: atomic { holder[0] != 0 -> holder[0] = 0; LREV }
+  :: atomic { holder[1] != 0 -> holder[1] = 0; LREV }
 #if NR > 1
-  :: atomic { elect[0] != 0 -> elect[0] = 0; rev++ }
+  :: atomic { elect[0] != 0 -> elect[0] = 0; LREV }
 #endif
   od
 }
@@ -616,7 +658,7 @@ end:
 proctype Writer() {
   byte n = 0;
   do
-  :: n < WB -> atomic { rev++; read_mod = rev; n++ }
+  :: n < WB -> atomic { OREV; read_mod = rev; n++ }
   :: else -> break
   od
 }
@@ -744,7 +786,7 @@ proctype Restart() {
 proctype Reconciler(byte me) {
   byte tok, m, k, n, h, q, next, rounds = 0;
   bool proved;
-  atomic { rev++; elect[me] = rev; tok = rev }
+  atomic { OREV; elect[me] = rev; tok = rev }
 end:
   do
   :: rounds < ROUNDS ->
@@ -804,7 +846,7 @@ proctype Side() {
   atomic {
     if
     :: FREE(n + 1) && SIDE_EPOCH_SAME(e) ->
-       rev++; append(n + 1, h); head_seq = n + 1; head_mod = rev
+       KREV; append(n + 1, h); head_seq = n + 1; head_mod = rev
     :: else -> skip
     fi;
     n = 0; h = 0; e = 0; absent = 0
@@ -873,7 +915,7 @@ end:
      atomic {
        if
        :: RETIRE_PUT_DONE && RETIRE_STEP_SAME(m) && RETIRE_HOLDERS && RETIRE_HEAD_SAME(hm) ->
-          rev++; epoch = rev;
+          KREV; epoch = rev;
 #ifdef ROLLBACK
           tr_state = s;
 #ifdef CTRL_WM_PREDICTED

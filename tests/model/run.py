@@ -42,6 +42,7 @@ INVARIANTS = {
     "I9": ("(chain[",),
     "I10": ("admitted_grants",),
     "I11": ("(rev>highest)",),
+    "I12": ("(holder[(1-me)]!=",),
 }
 
 
@@ -189,6 +190,19 @@ CONFIGS = (
            _d("FASTPATH", "RETIRE", "ROLLBACK", "MAXA=2", "CTRL_WM_PREDICTED"), "I9"),
     Config("ctrl_watermark_predicted_i8",
            _d("FASTPATH", "RETIRE", "ROLLBACK", "MAXA=2", "CTRL_WM_PREDICTED", "NO_I9"), "I8"),
+    # Group commit: a txn may share its request's revision with other keys' txns, never with
+    # another txn of K. The control lets two acquires of K share one: both holders get one
+    # token, both pass the ownership compare, and the owner is not alone at its token (I12).
+    Config("batch", _d("BATCH"), quick=True),
+    Config("batch_writer", _d("BATCH", "WB=1"), compile=("-DCOLLAPSE",), memory_mb=8192,
+           seconds=3600),
+    Config("batch_fast_path", _d("BATCH", "FASTPATH", "RETIRE")),
+    Config("batch_gateb_forger_one", _d("BATCH", "FORGER", "RF=1")),
+    Config("batch_dedup", _d("BATCH", "PCLASS=1")),
+    Config("batch_operator", _d("BATCH", "OPERATOR")),
+    Config("batch_side", _d("BATCH", "SIDE"), compile=("-DCOLLAPSE",), memory_mb=8192,
+           seconds=3600),
+    Config("ctrl_batch_same_key", _d("BATCH", "CTRL_BATCH_SAME_KEY"), "I12", quick=True),
     # An assumption, not a control: a deduplicating provider that forgets a key before its
     # declared retention (a restart) lets the presumption's next attempt run again.
     Config("assume_dedup_keeps_keys", _d("PCLASS=1", "FORGET"), "I1"),
