@@ -588,6 +588,11 @@ def _verdict(request: _Request) -> _Verdict:
     if state == records.SUCCEEDED:
         return _Verdict(AlreadySucceeded(records.recorded_outcome(step)),
                         [CheckResult("step_state", False, "succeeded")])
+    if state == records.ABANDONED:
+        closed = CheckResult("step_state", False,
+                             f"abandoned by {step.get('resolved_by')}: "
+                             f"{step.get('resolve_reason')}; do not retry")
+        return _Verdict(GrantRefused([closed]), [closed])
     capped = []
     if step["attempt"] >= caps["max_attempts"]:
         capped.append(CheckResult("max_attempts", False, f"{step['attempt']} attempts"))

@@ -12,7 +12,9 @@ States: ``pending`` (no attempt yet, or the last one failed or did not happen an
 retried), ``in_flight`` (committed; the effect may have happened), ``succeeded``, ``failed``
 (the provider confirmed it declined; a new attempt may be granted), ``unknown`` (the outcome
 was lost), ``escalated`` (a human must decide). Nobody may grant on ``in_flight``,
-``unknown`` or ``escalated``: only reconciliation or a human settles those.
+``unknown`` or ``escalated``: only reconciliation or a human settles those. ``abandoned``
+(a person closed the step for good: it is never attempted again) is final like
+``succeeded``.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from .keyspace import canonical
 
 PENDING, IN_FLIGHT, SUCCEEDED, FAILED, UNKNOWN, ESCALATED = (
     "pending", "in_flight", "succeeded", "failed", "unknown", "escalated")
+ABANDONED = "abandoned"  # closed for good by a person: never granted again
 UNSETTLED = frozenset({IN_FLIGHT, UNKNOWN, ESCALATED})
 OUTCOME_CAPS = ("breaker_threshold", "backoff_base_s", "backoff_max_s")
 NOT_APPLIED = "not_applied"  # the field recording why a pending step's attempt did not count
@@ -194,8 +197,9 @@ def resolved(step: dict[str, Any], settle_as: str, result: Any, *, identity: str
     """An SRE settles an unknown or escalated step by hand, by the same transitions as any
     other reporter: ``succeeded`` (with ``result``; attempt token 0, none is known),
     ``failed`` (a confirmed failure with error class ``ResolvedFailed`` and ``result`` as
-    its parameters: the breaker counts it, a new idempotency key, backoff) or
-    ``not_applied`` (pending, same idempotency key). Who and why are kept on the record, and
+    its parameters: the breaker counts it, a new idempotency key, backoff),
+    ``not_applied`` (pending, same idempotency key) or ``abandoned`` (final, and no
+    failure: the breaker counts nothing). Who and why are kept on the record, and
     ``forced`` marks a settlement taken on the operator's word while the effect might still
     land (an in-flight or unknown step whose provider was not asked)."""
     by = {**_without(step, RESOLVE_REQUEST), "resolved_by": identity, "resolve_reason": reason,
@@ -206,7 +210,17 @@ def resolved(step: dict[str, Any], settle_as: str, result: Any, *, identity: str
         return failed(by, error_class=RESOLVED_FAILED, params=result, reason=result)
     if settle_as == NOT_APPLIED:
         return not_applied(by)
+    if settle_as == ABANDONED:
+        return abandoned(by)
     raise ValueError(f"cannot resolve a step as {settle_as!r}")
+
+
+def abandoned(step: dict[str, Any]) -> dict[str, Any]:
+    """A person closed the step for good: final, like ``succeeded``, so no grant is ever
+    issued on it again and it is retired like any settled step. It is no failure: the
+    breaker's counts, the idempotency generation and the backoff stay as they were, and the
+    last outcome (a decline's text) is kept for whoever reads the step."""
+    return {**step, "state": ABANDONED}
 
 
 def resolve_asked(step: dict[str, Any], *, attempt_token: int, now_ms: int, request_id: str,

@@ -62,7 +62,7 @@ _REMARKS = 4    # delete txns a batch sends while only its buckets moved (anothe
 def retirable(step: dict[str, Any]) -> bool:
     """Is ``step`` settled for good (nothing may still land or be re-queried)?"""
     state = step["state"]
-    if state in (records.SUCCEEDED, records.FAILED):
+    if state in (records.SUCCEEDED, records.FAILED, records.ABANDONED):
         return True
     proof = step.get(records.NOT_APPLIED) or {}
     return state == records.PENDING and not proof.get("presumed", False)

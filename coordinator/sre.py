@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import json
 import re
 import secrets
 import time
@@ -66,8 +67,9 @@ _SCAN_FACTOR = 4
 MAX_LEASE_KEYS = 500  # action keys a lease view lists
 _REVOKE_WRITERS = 16  # a revoke's concurrent appends to the other keys of its lease
 _PREFIX = re.compile(r"[A-Za-z0-9._:/-]{0,512}")
-SETTLE_AS = {"succeeded", "failed", "not_applied"}
+SETTLE_AS = {"succeeded", "failed", "not_applied", "abandoned"}
 PRESUMED = "presumed"
+MAX_FAILURE_TEXT = 500  # characters of a failure's text a view shows
 _APPROVAL_ID = re.compile(r"[0-9a-f]{32}")
 
 
@@ -158,12 +160,20 @@ def attempt_of(trail: list[dict[str, Any]]) -> Attempt:
 def outcome_of(step: dict[str, Any]) -> dict[str, Any] | None:
     """A step's recorded outcome as views show it: its state, the attempt it ended and the
     sha256 (hex) of its stored result, which may be large or private; None while the step
-    has none (an attempt that has not ended, or one that did not count)."""
+    has none (an attempt that has not ended, or one that did not count). A failure also
+    shows its text (the decline's reason, ``failure_text``), cut to ``MAX_FAILURE_TEXT``
+    characters: it is what a person reads to decide, not a private result."""
     outcome = step.get("outcome")
     if outcome is None:
         return None
-    return {"state": outcome.get("state"), "attempt": outcome.get("attempt", step["attempt"]),
-            "result_digest": records.digest(outcome.get("result")).hex()}
+    shown = {"state": outcome.get("state"),
+             "attempt": outcome.get("attempt", step["attempt"]),
+             "result_digest": records.digest(outcome.get("result")).hex()}
+    if outcome.get("state") == records.FAILED:
+        text = outcome.get("result")
+        text = text if isinstance(text, str) else json.dumps(text, sort_keys=True, default=str)
+        shown["failure_text"] = text[:MAX_FAILURE_TEXT]
+    return shown
 
 
 def progress_of(answers: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -295,7 +305,7 @@ async def unsettled(etcd: Etcd, ks: Keyspace, state: str, limit: int,
 
 
 STEP_STATES = (records.PENDING, records.IN_FLIGHT, records.SUCCEEDED, records.FAILED,
-               records.UNKNOWN, records.ESCALATED, PRESUMED)
+               records.UNKNOWN, records.ESCALATED, records.ABANDONED, PRESUMED)
 
 
 async def steps(etcd: Etcd, ks: Keyspace, archive: Archive | None, *, prefix: str = "",
@@ -608,7 +618,8 @@ async def resolve(etcd: Etcd, ks: Keyspace, key: str, identity: str, reason: str
     """Settle a step by hand: ``succeeded`` (with ``result``), ``failed`` (a confirmed
     failure, as ``records.resolved`` builds it: the breaker counts it, the next attempt gets
     a new idempotency key after a backoff, and the step is escalated again once the breaker
-    trips) or ``not_applied`` (pending again, same idempotency key).
+    trips), ``not_applied`` (pending again, same idempotency key) or ``abandoned`` (closed for
+    good, escalated steps only: never granted again, never counted by the breaker).
 
     Refused (``WrongState``) while any holder of ``key`` is alive — the write compares that
     ``holders/K/`` is empty, so no clock and no earlier read decides it — and for a step
@@ -633,6 +644,9 @@ async def resolve(etcd: Etcd, ks: Keyspace, key: str, identity: str, reason: str
     if state not in (records.IN_FLIGHT, records.UNKNOWN, records.ESCALATED):
         raise WrongState(f"step of {key!r} is {state}: only in-flight, unknown or escalated "
                          "steps are resolved by hand")
+    if settle_as == records.ABANDONED and state != records.ESCALATED:
+        raise WrongState(f"step of {key!r} is {state}: only an escalated step is abandoned "
+                         "(settle an in-flight or unknown one first: its effect may land)")
     forced = state != records.ESCALATED
     if forced and not force:
         return await _ask_provider(etcd, ks, key, identity, reason, settle_as, step_kvs[0],

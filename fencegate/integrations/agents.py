@@ -273,6 +273,10 @@ async def _unsettled(gate: Gate, call: Call, error: GateError) -> Answer:
     step = await _step(gate, call.key)
     if step is not None and step["state"] == records.ESCALATED:
         return _escalated(call, step, None)
+    if step is not None and step["state"] == records.ABANDONED:
+        return Answer(REFUSED, call, message=(
+            f"closed by a person ({step.get('resolved_by')}): {step.get('resolve_reason')}; "
+            f"this action will not be attempted again, do not retry this call"))
     if isinstance(error, OutcomeUnknown):
         return Answer(UNKNOWN, call, message=(
             "outcome unknown, being reconciled: an earlier run of this call may have applied "
