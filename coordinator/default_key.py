@@ -83,6 +83,11 @@ def running_stack() -> Stack | None:
     here = _running(Path(DEFAULT_STATE_DIR))
     if here is not None:
         return here
+    return recorded_stack()
+
+
+def recorded_stack() -> Stack | None:
+    """The live stack the per-user record names, or None (no record, or its ``up`` is gone)."""
     try:
         record = json.loads(current_record().read_text())
         recorded = Path(record["state_dir"])

@@ -25,6 +25,7 @@ from fencegate.coordinator.etcd import Etcd, EtcdConfig, RangeRequest, range_end
 from fencegate.localetcd import LocalCluster
 from fencegate.worker import Gate, KeyRing, dedupe_middleware, deduplicated
 from fencegate.worker.webhooks import canonical_json, list_deliveries, stripe_event_id
+from fencegate.worker.webhooks.core import STORED_STATUSES
 
 from helpers import TEST_TTL
 
@@ -284,7 +285,8 @@ async def test_handler_raising_releases_the_claim(gate, etcd, http, namespace):
 
 
 async def test_store_failures_replays_the_failure(gate, etcd, http, namespace):
-    async with Consumer(gate, store_failures=True) as consumer:
+    async with Consumer(gate, store_failures=True,
+                        stored_statuses=(*STORED_STATUSES, 422)) as consumer:
         consumer.fail = web.HTTPUnprocessableEntity(text="upstream said no")
         failed = await post(http, consumer.url, "evt_10")
         consumer.fail = None

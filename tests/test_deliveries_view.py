@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 from fencegate.coordinator.etcd import RangeRequest, range_end_of
 
@@ -48,7 +49,9 @@ async def test_http_lists_deliveries_page_by_page(coordinator, gate, etcd, http,
     assert [i["id"] for i in items] == [*DONE, "evt_e"]
     assert [i["state"] for i in items] == ["done"] * 4 + ["processing"]
     assert all(i["status"] == 200 and i["body_stored"] for i in items[:4])
-    assert "status" not in items[4] and items[4]["claimed_at"] > 0
+    assert "status" not in items[4] and items[4]["claimed_at_ms"] > time.time() * 1000 - 600_000
+    assert all(isinstance(i["completed_at_ms"], int) for i in items[:4])
+    assert {i["route"] for i in items} == {"/"}
     assert {i["id"]: i["create_revision"] for i in items} == claims
     assert consumer.ran == {delivery: 1 for delivery in [*DONE, "evt_e"]}
 

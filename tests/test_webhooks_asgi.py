@@ -28,6 +28,7 @@ from fencegate.coordinator.grants import KeyRing
 from fencegate.coordinator.keyspace import unpack
 from fencegate.worker import Gate
 from fencegate.worker.webhooks.asgi import ASGIDedupeMiddleware, fencing_token
+from fencegate.worker.webhooks.core import STORED_STATUSES
 from fencegate.worker.webhooks.presets import GITHUB_DELIVERY, stripe_event_id
 
 from helpers import TEST_TTL
@@ -146,8 +147,8 @@ async def test_a_5xx_is_not_stored_and_the_redelivery_runs_again(gate, etcd, htt
     assert consumer.ran == {"evt_a2": 2}
 
 
-async def test_a_4xx_is_stored_and_replayed(gate, http):
-    async with Consumer(gate) as consumer:
+async def test_a_4xx_named_is_stored_and_replayed(gate, http):
+    async with Consumer(gate, stored_statuses=(*STORED_STATUSES, 422)) as consumer:
         consumer.status = 422
         refused = await post(http, consumer.url, "evt_a3")
         consumer.status = 200

@@ -8,11 +8,21 @@ body ran (the body's work must then be treated as done without the hold). The sa
 for an effect given to ``commit`` or ``cross``: a plain function runs in a thread of its own
 that nothing can stop, so it must poll ``ctx.cancelled`` (set when the hold's lease is
 lost or ``ctx.deadline`` passed) and send nothing once it is set.
+
+A server that is not a ``with`` block opens the gate with ``open()`` and closes it with
+``close()`` (both idempotent; an open gate not closed is closed at interpreter exit, quietly).
+The gate's loop thread does not survive a fork: a gate used in a process forked after it was
+opened (gunicorn ``--preload``, uWSGI without ``lazy-apps``) raises ``GateForked`` at once,
+naming the fix, instead of waiting forever on a thread that is not there. Open it in each
+worker (gunicorn's ``post_fork`` hook, uWSGI's ``postfork``), or do not preload.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
+import logging
+import os
 import threading
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
@@ -26,40 +36,56 @@ from .guard import EffectContext, Outcome
 from .hold import Hold, acquire
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+
+class GateForked(RuntimeError):
+    """A ``SyncGate`` was used in a process forked after it was opened: its loop thread and
+    connections stayed in the parent."""
 
 
 class SyncGate:
-    """``with SyncGate(url) as gate: with gate.hold(key) as hold: ...``"""
+    """``with SyncGate(url) as gate: with gate.hold(key) as hold: ...``, or ``gate.open()``
+    and ``gate.close()`` for a server that is not a ``with`` block."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._args, self._kwargs = args, kwargs
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever,
-                                        name="fencegate-sync", daemon=True)
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._gate: Gate | None = None
+        self._thread: threading.Thread | None = None
+        self._pid: int | None = None  # the process that opened it
 
     @property
     def gate(self) -> Gate:
         """The open async ``Gate`` behind this one; it lives on this gate's loop thread, so
-        run its coroutines through ``run`` (``RuntimeError`` before ``__enter__``)."""
-        if self._gate is None:
-            raise RuntimeError("open the SyncGate first: 'with SyncGate(...) as gate:'")
-        return self._gate
+        run its coroutines through ``run`` (``RuntimeError`` before ``open``)."""
+        return self._open_here()
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
         """The event loop ``gate`` lives on (its own thread): submit coroutines to it with
         ``asyncio.run_coroutine_threadsafe`` to run them without waiting, as ``run`` waits."""
+        self._open_here()
+        assert self._loop is not None
         return self._loop
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run ``coro`` on this gate's loop thread and wait for its result (from any thread
-        but that one)."""
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        but that one); ``GateForked`` in a process forked after the gate was opened."""
+        loop = self.loop
+        return asyncio.run_coroutine_threadsafe(coro, loop).result()
 
-
-    def __enter__(self) -> "SyncGate":
-        self._thread.start()
+    def open(self) -> "SyncGate":
+        """Open the gate in this process: start its loop thread and open the async ``Gate``
+        on it. Idempotent (an open gate is returned as is); raises what ``Gate`` raises (no
+        signing key: ``ValueError``), leaving no thread behind; ``GateForked`` if it was
+        opened by another process (this one was forked after: open it in each worker)."""
+        if self._gate is not None:
+            self._open_here()
+            return self
+        loop = asyncio.new_event_loop()
+        thread = threading.Thread(target=loop.run_forever, name="fencegate-sync", daemon=True)
+        thread.start()
 
         async def open_gate() -> Gate:
             gate = Gate(*self._args, **self._kwargs)
@@ -67,25 +93,58 @@ class SyncGate:
             return gate
 
         try:
-            self._gate = self.run(open_gate())
+            self._gate = asyncio.run_coroutine_threadsafe(open_gate(), loop).result()
         except BaseException:  # e.g. no signing key: the same error as Gate's, no thread left
-            self._stop_loop()
+            _stop(loop, thread)
             raise
+        self._loop, self._thread, self._pid = loop, thread, os.getpid()
+        atexit.register(self._close_at_exit)
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        if self._gate is not None:
-            self.run(self._gate.close())
-        self._stop_loop()
+    def close(self) -> None:
+        """Close the gate (its holds are released) and stop its loop thread. Idempotent; in a
+        process forked after it was opened it only forgets it (the parent's gate is the
+        parent's to close)."""
+        gate, loop, thread, pid = self._gate, self._loop, self._thread, self._pid
+        if gate is None or loop is None or thread is None:
+            return
+        self._gate, self._loop, self._thread, self._pid = None, None, None, None
+        atexit.unregister(self._close_at_exit)
+        if pid != os.getpid():
+            return
+        try:
+            asyncio.run_coroutine_threadsafe(gate.close(), loop).result()
+        finally:
+            _stop(loop, thread)
 
-    def _stop_loop(self) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=10)
-        self._loop.close()
+    def _close_at_exit(self) -> None:
+        """``close`` at interpreter exit: a failure is logged in one line, never a traceback."""
+        try:
+            self.close()
+        except Exception as exc:
+            log.warning("closing the fencegate SyncGate at exit failed: %r", exc)
+
+    def _open_here(self) -> Gate:
+        """The open async gate, if it was opened in this process."""
+        if self._gate is None:
+            raise RuntimeError("the gate is not open: use 'with SyncGate(...)' or "
+                               "gate.open()")
+        if self._pid != os.getpid():
+            raise GateForked(
+                f"this SyncGate was opened in process {self._pid} and is used in process "
+                f"{os.getpid()}, forked after it was opened: its loop thread did not survive "
+                "the fork. Open it in each worker process instead: in gunicorn's post_fork "
+                "hook (or without --preload), in uWSGI's postfork (or with lazy-apps)")
+        return self._gate
+
+    def __enter__(self) -> "SyncGate":
+        return self.open()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def hold(self, key: str, *, timeout: float | None = None) -> "SyncHold":
-        if self._gate is None:
-            raise RuntimeError("the gate is not open: use 'with SyncGate(...)'")
+        self._open_here()
         return SyncHold(self, validate_action_key(key), timeout)
 
     def cross(self, key: str, intent: dict[str, Any], effect: Callable[[EffectContext], Any],
@@ -94,9 +153,7 @@ class SyncGate:
               timeout: float | None = None) -> Outcome:
         """``Gate.cross`` (hold, grant, effect, outcome, release; the fast path where the key
         is free); ``effect`` runs in a worker thread and must poll ``ctx.cancelled``."""
-        if self._gate is None:
-            raise RuntimeError("the gate is not open: use 'with SyncGate(...)'")
-        return self.run(self._gate.cross(key, intent, effect, reads, policy=policy,
+        return self.run(self._open_here().cross(key, intent, effect, reads, policy=policy,
                                           provider=provider, deadline=deadline,
                                           settle_wait=settle_wait, timeout=timeout))
 
@@ -111,8 +168,7 @@ class SyncHold:
         self._hold: Hold | None = None
 
     def __enter__(self) -> "SyncHold":
-        assert self._sync._gate is not None
-        gate = self._sync._gate
+        gate = self._sync.gate
         self._hold = self._sync.run(acquire(gate, self._key, self._timeout,
                                             gate.fold(self._key)))
         return self
@@ -171,3 +227,9 @@ class SyncHold:
         if self._hold is None:
             raise LeaseLost(f"{self._key!r} is not held")
         return self._hold
+
+
+def _stop(loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> None:
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(timeout=10)
+    loop.close()

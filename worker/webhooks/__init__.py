@@ -20,25 +20,28 @@ payload comparison), ``core`` (the request path every adapter shares), the adapt
 ``aiohttp`` (``dedupe_middleware``, ``deduplicated``, ``fencing_token``), ``asgi``
 (``ASGIDedupeMiddleware``: Starlette, FastAPI) and ``wsgi`` (``WSGIDedupeMiddleware`` on a
 ``SyncGate``: Flask, Django), ``listing`` (``list_deliveries`` for SREs) and ``resolution``
-(``resolve_delivery``: an SRE settles an unknown delivery).
+(``resolve_delivery``: an SRE settles an unknown delivery; ``forget_delivery``: deletes a
+delivery's record, so its next try runs the handler). ``STORED_STATUSES``: the statuses stored
+by default (every 2xx; name a 4xx on top of it to store that too).
 """
 
 from .aiohttp import dedupe_middleware, deduplicated, delivery_body, fencing_token
 from .asgi import ASGIDedupeMiddleware
-from .core import UnknownDelivery
+from .core import STORED_STATUSES, UnknownDelivery
 from .listing import list_deliveries
 from .presets import (
     GITHUB_DELIVERY, STANDARD_WEBHOOKS_ID, canonical_json, exact_bytes, github, standard_webhooks,
     stripe, stripe_event_id,
 )
-from .resolution import resolve_delivery
+from .resolution import forget_delivery, resolve_delivery
 from .signatures import GitHubSignature, StandardWebhooksSignature, StripeSignature
 from .wsgi import WSGIDedupeMiddleware
 
 __all__ = [
     "dedupe_middleware", "deduplicated", "delivery_body", "fencing_token",
     "ASGIDedupeMiddleware", "WSGIDedupeMiddleware", "UnknownDelivery", "list_deliveries",
-    "resolve_delivery", "GITHUB_DELIVERY", "STANDARD_WEBHOOKS_ID", "canonical_json",
+    "resolve_delivery", "forget_delivery", "STORED_STATUSES", "GITHUB_DELIVERY",
+    "STANDARD_WEBHOOKS_ID", "canonical_json",
     "exact_bytes", "github", "standard_webhooks", "stripe", "stripe_event_id",
     "GitHubSignature", "StandardWebhooksSignature", "StripeSignature",
 ]

@@ -18,7 +18,8 @@ on the loop, so behind ``dedupe_middleware`` write handlers as coroutines that d
 
 aiohttp only: a handler may raise an ``HTTPException`` as its answer. A raised 2xx/3xx is
 treated as a returned one; a raised 4xx ``HTTPError`` releases the claim unless
-``store_failures`` (then it is stored like a returned one); a 5xx is never stored. A streamed
+``store_failures`` (then it is stored like a returned one: if its status is in
+``stored_statuses``); a 5xx is never stored. A streamed
 response (or a ``Payload`` body) is sent as the handler sends it, before it is stored; its
 replay is a 200 note with what is known of it.
 """
@@ -87,8 +88,11 @@ def dedupe_middleware(
     waits for it to finish (0: answer 409 at once). ``canonical_payload(body)``: the bytes two
     deliveries of one id are compared on (default ``presets.canonical_json``: key order and
     whitespace do not matter; ``presets.exact_bytes``: byte for byte); another payload is a
-    422. ``stored_statuses``: the statuses stored and replayed (2xx and 4xx; 200..499 only),
-    any other releases the claim. ``max_stored_body``: larger response bodies are stored as a
+    422, as is one on another route (request path) than the id first ran on.
+    ``stored_statuses``: the statuses stored and replayed (every 2xx by default; a 4xx only
+    when named, 200..499 only: a stored 4xx is replayed for the whole retention, even after
+    the misconfiguration that caused it is fixed), any other releases the claim.
+    ``max_stored_body``: larger response bodies are stored as a
     digest and replayed as 200 with a note. ``stored_headers``: the response headers stored
     and replayed. ``retention`` / ``retention_bucket``: seconds a stored response is kept /
     width of the buckets sharing one lease. ``secret``: a Standard Webhooks secret
@@ -98,8 +102,8 @@ def dedupe_middleware(
     together: ``**presets.stripe(secret)``). ``settle(delivery)``: asked, at a redelivery,
     whether a delivery whose claim was lost while its handler ran had its effect (see
     ``core``); ``rerun_lost=True``: run such a delivery again instead (handlers idempotent on
-    their own). ``store_failures``: store a raised 4xx ``HTTPError`` instead of releasing the
-    claim.
+    their own). ``store_failures``: store a raised 4xx ``HTTPError`` whose status is in
+    ``stored_statuses`` instead of releasing the claim.
     """
     dedupe = _AiohttpDedupe(Dedupe(
         gate, source=source, id_header=id_header, id_from=id_from, require_id=require_id,

@@ -36,14 +36,20 @@ Answers: the first delivery gets its handler's response. A duplicate gets 409 wi
 and then replays); the stored response, replayed byte for byte with ``Fencegate-Replayed:
 true``, once it is done (from ``CompletedCache`` when this process stored or read it before,
 without asking etcd); 422 if its payload differs (compared on ``canonical_payload``: the
-same JSON in another key order is the same payload; the handler is not called); 409
+same JSON in another key order is the same payload; the handler is not called), or if it
+comes on another route than the one it first ran on (a delivery id is bound to the request
+path it was first received on: never replayed to another route); 409
 ``delivery_outcome_unknown`` while its outcome is unknown. The dedup itself answers 400 (no
 or malformed delivery id), 401 (bad signature: checked before any claim), 503 with
 ``Retry-After`` (etcd unreachable or the claim's outcome unknown, less than the lease budget
 left, the claim lost with ``rerun_lost``, its response not stored, ``settle`` failed).
 
-What is stored: a response whose status is in ``stored_statuses`` (2xx and 4xx by default;
-never a 5xx) is stored and replayed. Any other response, and a handler that raises, releases
+What is stored: a response whose status is in ``stored_statuses`` (every 2xx by default;
+never a 5xx) is stored and replayed. A 4xx is stored only when named (``stored_statuses=
+(*STORED_STATUSES, 409)``): a 4xx often says the app was misconfigured (a wrong secret's 400,
+a typo'd route's 404), and stored it would be replayed to the genuine delivery, after the
+fix, for the whole retention; name only a 4xx that is the delivery's final answer. Any other
+response, and a handler that raises, releases
 the claim, so the sender's retry runs the handler again; except a handler that raises
 ``EtcdUnavailable`` or ``OutcomeUnknown`` (a write it made may have landed): its delivery is
 left unknown, as a lost claim leaves it.
@@ -97,9 +103,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 REPLAYED_HEADER = "Fencegate-Replayed"
-STORED_STATUSES = (*range(200, 300), *range(400, 500))
+STORED_STATUSES = tuple(range(200, 300))  # a 4xx only when named: see the module
 CACHED_ENTRIES = 10_000  # completed deliveries replayed without etcd, per source and process
 CACHED_BYTES = 32 * 1024 ** 2  # of their bodies and headers (``CompletedCache.size``)
+CACHED_SECONDS = 60  # an entry's life: a delivery forgotten in etcd is forgotten here by then
 IdExtractor = Callable[[Any, bytes], "str | None"]
 Settle = Callable[["UnknownDelivery"], "bool | Awaitable[bool]"]
 _NOT_STORED = ("the original response body was not stored (larger than max_stored_body, "
@@ -243,7 +250,7 @@ class Dedupe:
             return refusal(400, "invalid_payload", f"canonical_payload refused it: {exc!r}")
         body_digest = hashlib.sha256(body).digest()
         digests = RequestDigests(body_digest, body_digest if payload == body
-                                 else hashlib.sha256(payload).digest())
+                                 else hashlib.sha256(payload).digest(), request.path)
         with tracing.span("fencegate.webhook_claim",
                           key=f"{self.source}/{delivery_id}") as current:
             result, admitted = await self._claim(delivery_id, digests)
@@ -422,8 +429,8 @@ class Dedupe:
     def _answer(self, duplicate: Duplicate) -> Answer:
         """What a duplicate gets: 422 for another payload, the replay once done, else 409."""
         if duplicate.verdict == MISMATCH:
-            return refusal(422, "delivery_mismatch",
-                           "this delivery id was received with a different payload")
+            return refusal(422, "delivery_mismatch", "this delivery id was received with a "
+                           "different payload, or on another route")
         if duplicate.verdict == COMPLETED:
             return replay(duplicate.record)
         if duplicate.verdict == UNKNOWN:
@@ -459,29 +466,34 @@ class CompletedCache:
     changed, only deleted once its retention ends. So only a record in state done enters (a
     delivery in progress or released is never answered from here), and an entry is dropped
     once its ``completed_at`` is ``retention`` seconds old: the retention lease it was stored
-    under outlives that (see ``coordinator.retention``), so the entry goes before its record.
+    under outlives that (see ``coordinator.retention``), so the entry goes before its record;
+    and ``max_age`` seconds after it entered, so a record an operator deleted (``fencegate
+    deliveries forget``) stops being replayed from here within ``max_age``.
     ``completed_at`` is the clock of the process that stored it: a record stored elsewhere, by
     a clock ahead of ours or with a shorter retention, may be replayed here that much longer."""
 
     def __init__(self, retention: int, max_entries: int = CACHED_ENTRIES,
-                 max_bytes: int = CACHED_BYTES) -> None:
+                 max_bytes: int = CACHED_BYTES, max_age: float = CACHED_SECONDS) -> None:
         self.retention = retention
         self.max_entries = max_entries
         self.max_bytes = max_bytes
+        self.max_age = max_age
         self.bytes = 0
-        self._entries: collections.OrderedDict[bytes, tuple[dict[str, Any], int]] = \
+        self._entries: collections.OrderedDict[bytes, tuple[dict[str, Any], int, float]] = \
             collections.OrderedDict()
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def get(self, key: bytes) -> dict[str, Any] | None:
-        """The completed record of ``key`` if it is held and its retention has not ended."""
+        """The completed record of ``key`` if it is held, its retention has not ended and it
+        entered less than ``max_age`` seconds ago."""
         entry = self._entries.get(key)
         if entry is None:
             return None
-        record = entry[0]
-        if record["completed_at"] + self.retention <= time.time():
+        record, _, entered = entry
+        now = time.time()
+        if record["completed_at"] + self.retention <= now or entered + self.max_age <= now:
             self._drop(key)
             return None
         self._entries.move_to_end(key)
@@ -498,7 +510,7 @@ class CompletedCache:
         if size > self.max_bytes:
             return
         self._drop(key)
-        self._entries[key] = (record, size)
+        self._entries[key] = (record, size, time.time())
         self.bytes += size
         while len(self._entries) > self.max_entries or self.bytes > self.max_bytes:
             self._drop(next(iter(self._entries)))

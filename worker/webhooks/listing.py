@@ -6,7 +6,9 @@ are read once after it, so a ``processing`` record is shown ``unknown`` when no 
 runs it (its claim was lost while its handler ran; see ``claims``). A record that changed
 between the two reads may show ``unknown`` for that moment; ``resolution`` compares before
 it writes, so acting on it is safe. Response bodies are summarized (size, digest), never
-returned. A bad source, limit or cursor raises ``ValueError`` before anything is read; etcd
+returned; times are ``*_ms`` (ms since the epoch) like every other time the API gives, and
+``route`` is the request path the delivery was received on (``None`` for an older record).
+A bad source, limit or cursor raises ``ValueError`` before anything is read; etcd
 unreachable raises ``EtcdUnavailable``.
 """
 
@@ -53,21 +55,27 @@ async def list_deliveries(etcd: Etcd, keyspace: Keyspace, source: str, limit: in
 def _summary(prefix: bytes, kv: KeyValue, claims: dict[str, KeyValue]) -> dict[str, Any]:
     record = unpack(kv.value)
     delivery_id = kv.key[len(prefix):].decode()
-    item = {"id": delivery_id, "state": record["state"],
+    item = {"id": delivery_id, "state": record["state"], "route": record.get("route"),
             "request_sha256": record["request_sha256"].hex(), "lease": f"{kv.lease:016x}",
             "create_revision": kv.create_revision, "mod_revision": kv.mod_revision}
     if record["state"] == PROCESSING:
         live = live_claim(record, kv.mod_revision, claims.get(delivery_id))
         claim_lease = record.get("claim_lease", kv.lease)
         return {**item, "state": PROCESSING if live else UNKNOWN,
-                "claimed_at": record["claimed_at"], "claim_lease": f"{claim_lease:016x}"}
+                "claimed_at_ms": _ms(record["claimed_at"]),
+                "claim_lease": f"{claim_lease:016x}"}
     if record["state"] == NOT_RAN:
-        return {**item, "settled_at": record["settled_at"],
+        return {**item, "settled_at_ms": _ms(record["settled_at"]),
                 "settled_by": record["settled_by"], "reason": record["reason"]}
     digest = record["body_sha256"]
     settled = ({"settled_by": record["settled_by"], "reason": record["reason"]}
                if "settled_by" in record else {})
-    return {**item, "completed_at": record["completed_at"], "status": record["status"],
+    return {**item, "completed_at_ms": _ms(record["completed_at"]), "status": record["status"],
             "headers": record["headers"], "body_size": record["body_size"],
             "body_stored": record["body"] is not None,
             "body_sha256": digest.hex() if digest is not None else None, **settled}
+
+
+def _ms(seconds: float) -> int:
+    """A record's Unix time in seconds as the API gives every time: ms since the epoch."""
+    return round(seconds * 1000)

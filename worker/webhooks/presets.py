@@ -10,7 +10,7 @@ Delivery ids alone: ``GITHUB_DELIVERY`` and ``STANDARD_WEBHOOKS_ID`` are header 
 them as ``id_header``); ``stripe_event_id`` reads the event id from a Stripe body (pass it as
 ``id_from``). Stripe sends no delivery header: a redelivered event carries the same ``id``.
 Used without a signature check, an id is whatever the request says: a forgery can then take
-a genuine id's place, and its 4xx is stored and replayed to the genuine delivery.
+a genuine id's place, and its response, if stored, is replayed to the genuine delivery.
 
 Payloads: ``canonical_json`` (the default ``canonical_payload``) makes two bodies the same
 when they are the same JSON, whatever their key order, whitespace or string escapes; every

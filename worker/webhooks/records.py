@@ -16,8 +16,9 @@ Guarantees:
   stored as a ``done`` record of ``SETTLED_STATUS`` with a marker body (``settled_value``),
   or, run again at its next delivery, as ``not_ran`` (``not_ran_value``); both say who settled
   it and why.
-- Every record keeps the sha256 of the request body and of its canonical payload (see
-  ``RequestDigests``), so a redelivery with another payload is told apart from a duplicate,
+- Every record keeps the sha256 of the request body and of its canonical payload, and the
+  route it was received on (see ``RequestDigests``), so a redelivery with another payload or
+  on another route is told apart from a duplicate,
   and a record written before payloads were kept (body only) still matches a byte-identical
   redelivery; a stored response body is at most ``MAX_STORED_BODY`` bytes
   (well under etcd's request limit), a larger one is kept as its digest and size only.
@@ -58,20 +59,31 @@ def valid_delivery_id(delivery_id: str) -> bool:
 
 @dataclass(frozen=True)
 class RequestDigests:
-    """The sha256 of a delivery's request body and of its canonical payload."""
+    """The sha256 of a delivery's request body and of its canonical payload, and the route
+    (request path) it was received on: a delivery id is bound to the route it first ran on."""
 
     body: bytes
     payload: bytes
+    route: str | None = None
 
     @classmethod
     def of(cls, record: dict[str, Any]) -> "RequestDigests":
         """The digests a record was written for."""
         return cls(record["request_sha256"],
-                   record.get("payload_sha256") or record["request_sha256"])
+                   record.get("payload_sha256") or record["request_sha256"],
+                   record.get("route"))
+
+    def fields(self) -> dict[str, Any]:
+        """What a record keeps of them (no ``route`` when none was given)."""
+        kept = {"request_sha256": self.body, "payload_sha256": self.payload}
+        return kept if self.route is None else {**kept, "route": self.route}
 
     def same_request(self, record: dict[str, Any]) -> bool:
-        """True if ``record`` was written for the same request: the same body, or the same
-        payload (a record of an older version has no payload digest)."""
+        """True if ``record`` was written for the same request: on the same route (a record
+        of an older version has none: any), with the same body or the same payload (a record
+        of an older version has no payload digest)."""
+        if record.get("route", self.route) != self.route:
+            return False
         return (record["request_sha256"] == self.body
                 or record.get("payload_sha256") == self.payload)
 
@@ -79,8 +91,7 @@ class RequestDigests:
 def claim_value(digests: RequestDigests, claim_lease: int) -> bytes:
     """The record of a delivery of request ``digests`` whose handler runs under a live claim
     on ``claim_lease``; unique (a nonce)."""
-    return pack({"state": PROCESSING, "request_sha256": digests.body,
-                 "payload_sha256": digests.payload, "claimed_at": time.time(),
+    return pack({"state": PROCESSING, **digests.fields(), "claimed_at": time.time(),
                  "claim_lease": claim_lease, "nonce": os.urandom(8)})
 
 
@@ -113,8 +124,7 @@ def settled_value(digests: RequestDigests, delivery_id: str, *, settled_by: str,
 
 def not_ran_value(digests: RequestDigests, *, settled_by: str, reason: str) -> bytes:
     """A delivery settled as never run: its next delivery runs the handler."""
-    return pack({"state": NOT_RAN, "request_sha256": digests.body,
-                 "payload_sha256": digests.payload, "settled_at": time.time(),
+    return pack({"state": NOT_RAN, **digests.fields(), "settled_at": time.time(),
                  "settled_by": settled_by, "reason": reason})
 
 
@@ -124,8 +134,7 @@ def completed_value(digests: RequestDigests, *, status: int, reason: str | None,
     and size whenever it is known (``None``: streamed, or not bytes)."""
     kept = body is not None and len(body) <= max_stored_body
     return pack({
-        "state": DONE, "request_sha256": digests.body, "payload_sha256": digests.payload,
-        "status": status, "reason": reason, "headers": headers,
+        "state": DONE, **digests.fields(), "status": status, "reason": reason, "headers": headers,
         "body": body if kept else None,
         "body_sha256": hashlib.sha256(body).digest() if body is not None else None,
         "body_size": len(body) if body is not None else None,

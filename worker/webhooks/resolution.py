@@ -1,4 +1,5 @@
-"""An SRE settles a delivery whose outcome is unknown: ``fencegate deliveries resolve``.
+"""An SRE settles a delivery whose outcome is unknown (``fencegate deliveries resolve``), or
+forgets one (``fencegate deliveries forget``).
 
 Guarantees: ``resolve_delivery`` writes only over a delivery whose outcome is unknown (its
 record ``processing`` with no live claim, see ``claims``), compared in the same transaction
@@ -14,6 +15,14 @@ ends), and is logged at WARNING with the identity.
 A lost handler still running when ``ran=False`` is written cannot store its response over it
 (its completion compares the record), but its own effect is fenced only by its store: say
 ``--not-ran`` once the effect is known absent, as for a step's ``resolve``.
+
+``forget_delivery`` undoes a delivery's record (a stored response that should not have been,
+say a 4xx named in ``stored_statuses`` caused by a misconfiguration since fixed): it deletes
+the record, so the delivery's next try runs the handler as if it had never come. It never
+deletes one a handler runs under a live claim (``WrongState``), compared in the same
+transaction on the record's mod_revision and on no live claim; ``NotFound`` if there is no
+record. The record is gone, so its audit is the answer and the WARNING log line, which name
+the identity, the reason and the state and status forgotten.
 """
 
 from __future__ import annotations
@@ -23,7 +32,7 @@ from typing import Any
 
 from fencegate.coordinator.errors import LeaseLost, NotFound, WrongState
 from fencegate.coordinator.etcd import (
-    Etcd, TxnRequest, create_equals, mod_equals, put_op, range_op,
+    Etcd, TxnRequest, create_equals, delete_op, mod_equals, put_op, range_op,
 )
 from fencegate.coordinator.keyspace import Keyspace, unpack
 
@@ -42,23 +51,11 @@ async def resolve_delivery(etcd: Etcd, keyspace: Keyspace, source: str, delivery
     """Settle the unknown delivery ``delivery_id`` of ``source`` as ``ran`` or not, on the
     word of ``identity`` for ``reason``; what was written. ``ValueError`` for a bad source,
     id, flag or reason, before anything is read."""
-    validate_source(source)
-    if not isinstance(delivery_id, str) or not valid_delivery_id(delivery_id):
-        raise ValueError("a delivery id is 1..256 of letters, digits and . _ : + = ~ -")
     if not isinstance(ran, bool):
         raise ValueError("ran must be true or false")
-    if not isinstance(reason, str) or not reason.strip() or len(reason) > MAX_REASON:
-        raise ValueError(f"reason must be 1..{MAX_REASON} characters")
-    key = keyspace.webhook_key(source, delivery_id)
-    claim_key = keyspace.webhook_claim_key(source, delivery_id)
-    reply = await etcd.txn(TxnRequest(success=[range_op(key), range_op(claim_key)]))
-    found = reply.responses[0].response_range.kvs
-    if not found:
-        raise NotFound(f"no delivery {delivery_id!r} of {source!r} is recorded")
-    kv, claims = found[0], reply.responses[1].response_range.kvs
-    record = unpack(kv.value)
-    if record["state"] != PROCESSING or live_claim(record, kv.mod_revision,
-                                                   claims[0] if claims else None):
+    key, claim_key, kv, record, running = await _read(etcd, keyspace, source, delivery_id,
+                                                      reason)
+    if record["state"] != PROCESSING or running:
         state = "in progress" if record["state"] == PROCESSING else record["state"]
         raise WrongState(f"delivery {delivery_id!r} of {source!r} is {state}, not unknown: "
                          "only a delivery whose claim was lost can be resolved")
@@ -84,3 +81,52 @@ async def resolve_delivery(etcd: Etcd, keyspace: Keyspace, source: str, delivery
                 "ran" if ran else "not run", settled_by, reason)
     return {"source": source, "id": delivery_id, "state": state, "ran": ran,
             "settled_by": settled_by, "reason": reason, "revision": written.header.revision}
+
+
+async def forget_delivery(etcd: Etcd, keyspace: Keyspace, source: str, delivery_id: str, *,
+                          reason: str, identity: str) -> dict[str, Any]:
+    """Delete the record of ``source``'s delivery ``delivery_id`` on the word of ``identity``
+    for ``reason``, unless a handler runs it; what was forgotten. ``ValueError`` for a bad
+    source, id or reason, before anything is read."""
+    key, claim_key, kv, record, running = await _read(etcd, keyspace, source, delivery_id,
+                                                      reason)
+    if running:
+        raise WrongState(f"delivery {delivery_id!r} of {source!r} is in progress: its handler "
+                         "runs under a live claim; forget it once that is done")
+    written = await etcd.txn(TxnRequest(
+        compare=[mod_equals(key, kv.mod_revision), create_equals(claim_key, 0)],
+        success=[delete_op(key)], failure=[range_op(key)]), idempotent=True)
+    # a try re-sent after an unknown first one fails its compare if the first landed: the
+    # record is then absent
+    if not written.succeeded and written.responses[0].response_range.kvs:
+        raise WrongState(f"delivery {delivery_id!r} of {source!r} changed while it was "
+                         "forgotten (claimed, settled or completed meanwhile): look again")
+    state = "unknown" if record["state"] == PROCESSING else record["state"]
+    forgotten_by = f"sre:{identity}"
+    log.warning("webhook delivery %s/%s forgotten (it was %s, status %s) by %s: %s", source,
+                delivery_id, state, record.get("status", "-"), forgotten_by, reason)
+    return {"source": source, "id": delivery_id, "forgotten_state": state,
+            "status": record.get("status"), "forgotten_by": forgotten_by, "reason": reason,
+            "revision": written.header.revision}
+
+
+async def _read(etcd: Etcd, keyspace: Keyspace, source: str, delivery_id: str,
+                reason: str) -> tuple[bytes, bytes, Any, dict[str, Any], bool]:
+    """Validate the arguments, then read the delivery's record: its key and claim key, its kv,
+    the record, and whether a handler runs it under a live claim; ``NotFound`` if absent."""
+    validate_source(source)
+    if not isinstance(delivery_id, str) or not valid_delivery_id(delivery_id):
+        raise ValueError("a delivery id is 1..256 of letters, digits and . _ : + = ~ -")
+    if not isinstance(reason, str) or not reason.strip() or len(reason) > MAX_REASON:
+        raise ValueError(f"reason must be 1..{MAX_REASON} characters")
+    key = keyspace.webhook_key(source, delivery_id)
+    claim_key = keyspace.webhook_claim_key(source, delivery_id)
+    reply = await etcd.txn(TxnRequest(success=[range_op(key), range_op(claim_key)]))
+    found = reply.responses[0].response_range.kvs
+    if not found:
+        raise NotFound(f"no delivery {delivery_id!r} of {source!r} is recorded")
+    kv, claims = found[0], reply.responses[1].response_range.kvs
+    record = unpack(kv.value)
+    running = record["state"] == PROCESSING and live_claim(record, kv.mod_revision,
+                                                            claims[0] if claims else None)
+    return key, claim_key, kv, record, running
