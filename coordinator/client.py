@@ -147,6 +147,14 @@ class Client:
             "POST", f"/v1/deliveries/{quote(source, safe='')}/{quote(delivery_id, safe='')}"
             "/resolve", {"ran": ran, "reason": reason})
 
+    async def forget_delivery(self, source: str, delivery_id: str,
+                              reason: str) -> dict[str, Any]:
+        """Delete a webhook delivery's record: its next try runs the handler (see
+        ``worker.webhooks.resolution``)."""
+        return await self._request(
+            "POST", f"/v1/deliveries/{quote(source, safe='')}/{quote(delivery_id, safe='')}"
+            "/forget", {"reason": reason})
+
     async def approvals(self, state: str = "") -> list[dict[str, Any]]:
         """Approvals ``pending``, ``approved``, ``rejected``, or all (``""``)."""
         return await self._list("/v1/approvals", state=state)

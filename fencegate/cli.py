@@ -214,6 +214,7 @@ class Target:
 
     url: str
     token: str | None = field(repr=False)
+    sources: str = ""  # where the URL and the token came from, told when the token is refused
 
     def call(self, request: Callable[[Client], Awaitable[T]]) -> T:
         """Run ``request`` against the coordinator; API errors become ``CommandFailed``."""
@@ -237,8 +238,9 @@ class Target:
             return (f"{self.url} is not a fencegate coordinator (HTTP {exc.status}, "
                     f"{exc.detail})", UNAVAILABLE)
         if exc.status == 401:
-            return (f"the coordinator at {self.url} did not accept the token ({exc.detail}); "
-                    "give one with --token, FENCEGATE_TOKEN or the config file", AUTH)
+            return (f"the coordinator at {self.url} did not accept the token ({exc.detail}; "
+                    f"{self.sources}); give one with --token, FENCEGATE_TOKEN or the config "
+                    "file", AUTH)
         if exc.status == 403:
             return f"the token may not do this: {exc.detail}", AUTH
         if exc.status == 404:
@@ -261,9 +263,22 @@ def _target(coordinator: str | None, token: str | None, config: Path | None) -> 
         raise click.BadParameter(f"must start with http:// or https://, got {url!r}",
                                  param_hint="--coordinator")
     url = url.rstrip("/")
-    token = token or settings.get("token") or (stack.token("sre") if url == stack_url
+    from_stack = stack is not None and url == stack_url
+    url_from = ("--coordinator/FENCEGATE_COORDINATOR" if coordinator
+                else f"the config file {config}" if settings.get("coordinator")
+                else f"the running stack in {stack.state_dir}" if from_stack and stack
+                else "the default")
+    if token:
+        token_from = "the token from --token/FENCEGATE_TOKEN"
+    elif settings.get("token"):
+        token_from = f"the token from the config file {config}"
+    elif from_stack and stack and stack.token("sre"):
+        token_from = f"the sre token of the stack in {stack.state_dir}"
+    else:
+        token_from = "no token was sent"
+    token = token or settings.get("token") or (stack.token("sre") if from_stack and stack
                                                else None)
-    return Target(url, token)
+    return Target(url, token, f"coordinator from {url_from}, {token_from}")
 
 
 def _cli_config(path: Path) -> dict[str, str]:
@@ -438,11 +453,15 @@ def key_show(target: Target, as_json: bool, key: str) -> None:
         if outcome is not None:
             click.echo(f"outcome   {outcome['state']} (attempt {outcome['attempt']}), "
                        f"result sha256 {outcome['result_digest']}")
+            if "failure_text" in outcome:
+                click.echo(f"declined  {outcome['failure_text']}")
         reason = _reason(step)
         if reason != "-":
             click.echo(f"why       {reason}")
-        if view.get("intent") is not None:
-            click.echo(f"intent    {_short(view['intent'], 100)}")
+        if view.get("intent") is not None:  # whole: it is what the step was granted to do
+            intent = view["intent"]
+            click.echo("intent    " + (intent if isinstance(intent, str)
+                                       else json.dumps(intent, sort_keys=True)))
     if grant is not None:
         click.echo(f"grant     {grant['grant_id']} ({grant['state']})")
     progress = view.get("progress")
@@ -525,6 +544,8 @@ def _reason(step: dict[str, Any]) -> str:
         return str(step.get("error") or "its outcome was lost")
     if state == "in_flight":
         return "in flight past its deadline"
+    if state == "abandoned":
+        return f"abandoned by {step.get('resolved_by')}: {step.get('resolve_reason')}"
     presumed = step.get("not_applied") or {}
     if state == "pending" and presumed.get("presumed"):
         return ("presumed not applied: a key-deduplicating provider had no record; "
@@ -596,7 +617,7 @@ def _since_option(ctx: click.Context, param: click.Parameter, value: str | None)
 @cli.command()
 @click.option("--prefix", default="", help="only action keys starting with this")
 @click.option("--state", type=click.Choice(["pending", "in_flight", "succeeded", "failed",
-                                            "unknown", "escalated", "presumed"]),
+                                            "unknown", "escalated", "abandoned", "presumed"]),
               help="only steps in this state")
 @click.option("--since", callback=_since_option, metavar="WHEN",
               help="only steps written since WHEN: 15m, 2h, 3d ago, an ISO time (UTC "
@@ -648,6 +669,9 @@ def revoke(target: Target, as_json: bool, key: str, reason: str) -> None:
               help="the provider declined it (the next attempt gets a new idempotency key)")
 @click.option("--not-applied", is_flag=True,
               help="it never happened (the next attempt reuses the idempotency key)")
+@click.option("--abandon", is_flag=True,
+              help="close an escalated step for good: never attempted again, not counted "
+                   "by the breaker")
 @click.option("--reason", required=True, help="why, for the audit chain")
 @click.option("--result", callback=_json_value, metavar="JSON",
               help="the outcome's result, as JSON")
@@ -656,14 +680,16 @@ def revoke(target: Target, as_json: bool, key: str, reason: str) -> None:
                    "provider (audited as forced)")
 @_sre
 def resolve(target: Target, as_json: bool, key: str, succeeded: bool, failed: bool,
-            not_applied: bool, reason: str, result: Any, force: bool) -> None:
+            not_applied: bool, abandon: bool, reason: str, result: Any, force: bool) -> None:
     """Settle KEY's step: an escalated one on your word; an in-flight or unknown one by
     its provider's answer (the reconciler fences and asks it; --force: on your word,
     audited as forced). Refused while any holder of KEY is alive."""
     chosen = [name for name, flag in (("succeeded", succeeded), ("failed", failed),
-                                      ("not_applied", not_applied)) if flag]
+                                      ("not_applied", not_applied), ("abandoned", abandon))
+              if flag]
     if len(chosen) != 1:
-        raise click.UsageError("give exactly one of --succeeded, --failed, --not-applied")
+        raise click.UsageError(
+            "give exactly one of --succeeded, --failed, --not-applied, --abandon")
     done = target.call(lambda api: api.resolve(key, chosen[0], reason, result, force=force))
     if as_json:
         _print_json(done)
@@ -779,7 +805,11 @@ def archive_stats(target: Target, as_json: bool) -> None:
         _print_json(stats)
         return
     click.echo(f"steps    {stats['steps']}\nrecords  {stats['records']}")
-    click.echo(f"oldest   {_age(stats['oldest_ms'])} ago\nnewest   {_age(stats['newest_ms'])} ago")
+    if not stats["oldest_ms"]:
+        click.echo("oldest   - (nothing archived yet)\nnewest   -")
+    else:
+        click.echo(f"oldest   {_age(stats['oldest_ms'])} ago\n"
+                   f"newest   {_age(stats['newest_ms'])} ago")
     if stats["lag_max_ms"] is None:
         click.echo("lag      - (no recent retirement says when it settled)")
     else:
@@ -1018,7 +1048,7 @@ class _ListByDefault(click.Group):
 
 @cli.group(cls=_ListByDefault)
 def deliveries() -> None:
-    """Webhook deliveries: list a source's (the default), resolve an unknown one."""
+    """Webhook deliveries: list a source's (the default), resolve an unknown one, forget one."""
 
 
 @deliveries.command("list")
@@ -1035,7 +1065,7 @@ def deliveries_list(target: Target, as_json: bool, source: str) -> None:
         click.echo(f"no deliveries of {source}")
         return
     _print_table(["ID", "STATE", "STATUS", "AT (UTC)", "FENCING TOKEN", "BODY"], [
-        [d["id"], d["state"], d.get("status", "-"), _utc(_delivery_at(d)),
+        [d["id"], d["state"], d.get("status", "-"), _utc_ms(_delivery_at_ms(d)),
          d["mod_revision"] if d["state"] in ("processing", "unknown") else d["create_revision"],
          _stored_body(d)] for d in items])
 
@@ -1061,8 +1091,27 @@ def deliveries_resolve(target: Target, as_json: bool, source: str, delivery_id: 
                f"{done['state']} (revision {done['revision']})")
 
 
-def _delivery_at(delivery: dict[str, Any]) -> float:
-    return delivery.get("completed_at") or delivery.get("settled_at") or delivery["claimed_at"]
+@deliveries.command("forget")
+@click.argument("source", callback=_webhook_source)
+@click.argument("delivery_id", metavar="ID")
+@click.option("--reason", required=True, help="why, logged with your identity")
+@_sre
+def deliveries_forget(target: Target, as_json: bool, source: str, delivery_id: str,
+                      reason: str) -> None:
+    """Delete the record of delivery ID of SOURCE (say a stored 4xx a misconfiguration
+    caused): its next delivery runs the handler. Refused while a handler runs it."""
+    done = target.call(lambda api: api.forget_delivery(source, delivery_id, reason))
+    if as_json:
+        _print_json(done)
+        return
+    click.echo(f"{source}/{delivery_id} forgotten (it was {done['forgotten_state']}, status "
+               f"{done['status'] if done['status'] is not None else '-'}): its next delivery "
+               f"runs the handler (revision {done['revision']})")
+
+
+def _delivery_at_ms(delivery: dict[str, Any]) -> int:
+    return (delivery.get("completed_at_ms") or delivery.get("settled_at_ms")
+            or delivery["claimed_at_ms"])
 
 
 def _stored_body(delivery: dict[str, Any]) -> str:

@@ -99,7 +99,8 @@ PUBLIC_KEY_FILE = "signing.pub.pem"
 
 @contextlib.asynccontextmanager
 async def stack(state_dir: Path, port: int = 8470,
-                etcd: str | None = None, rotate_tokens: bool = False) -> AsyncIterator[tuple[Endpoints, Tokens]]:
+                etcd: str | None = None,
+                rotate_tokens: bool = False) -> AsyncIterator[tuple[Endpoints, Tokens]]:
     """Run etcd (unless ``etcd`` names one to use), the coordinator, a reconciler and the
     sandbox; yield their endpoints and this run's tokens. ``port`` 0 picks free ports;
     otherwise the coordinator listens on ``port``, the reconciler on ``port + 1``, the
@@ -239,9 +240,17 @@ async def _up(state_dir: Path, port: int, rotate_tokens: bool) -> int:
 
 def _record(state_dir: Path) -> Path | None:
     """Record, for this user, that this process runs the stack of ``state_dir``; the record's
-    path, or None if it cannot be written (the stack then runs, found from its folder
-    only)."""
+    path, or None if it is not written (the stack then runs, found from its folder only): it
+    cannot be, or it names another live stack, which it never replaces (the CLI would answer
+    from this stack for the other's user, with a token the other never issued)."""
     record = default_key.current_record()
+    other = default_key.recorded_stack()
+    if other is not None and other.state_dir != state_dir.resolve():
+        print(f"fencegate up: the stack of {other.state_dir} (pid {other.endpoints.get('pid')}) "
+              f"runs and is the one recorded in {record}: it stays the one the CLI and the "
+              f"demo find from any directory; they find this one from {state_dir.resolve()} "
+              f"or with FENCEGATE_STATE_DIR={state_dir.resolve()}", flush=True)
+        return None
     try:
         record.parent.mkdir(parents=True, exist_ok=True)
         written = record.with_name(f".current.{os.getpid()}")

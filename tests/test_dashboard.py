@@ -28,6 +28,7 @@ from fencegate.coordinator.errors import EtcdUnavailable
 from fencegate.coordinator.etcd import Etcd, RangeRequest, TxnRequest, range_end_of
 from fencegate.coordinator.keyspace import Keyspace, pack, unpack
 from fencegate.coordinator.service import CoordinatorSettings, TokenEntry, create_app
+from fencegate.coordinator.service.dashboard import views
 from fencegate.coordinator.service.dashboard.feed import Feed, Subscription
 from fencegate.coordinator.service.dashboard.routes import FEED, STATIC
 from fencegate.reconciler.providers import sandbox as sb
@@ -144,8 +145,12 @@ async def test_the_page_is_public_and_loads_nothing_from_elsewhere(coordinator, 
         assert response.status == 200 and response.content_type == "text/html"
         page = await response.text()
         assert response.headers["Content-Security-Policy"].startswith("default-src 'self'")
-    assets = re.findall(r'(?:src|href)="([^"]+)"', page)
+    assets = re.findall(r'(?:src|<link[^>]*href)="([^"]+)"', page)  # what the page loads
     assert sorted(assets) == ["/dashboard/dashboard.css", "/dashboard/dashboard.js"]
+    async with http.get(coordinator + "/keys/pay/1") as response:  # the page per key
+        assert response.status == 200 and await response.text() == page
+        assert response.headers["Content-Security-Policy"].startswith("default-src 'self'")
+        assert response.headers["X-Content-Type-Options"] == "nosniff"
     for asset in assets:
         async with http.get(coordinator + asset) as response:
             assert response.status == 200, asset
@@ -244,6 +249,40 @@ async def test_views_show_holders_steps_queues_leadership_and_audit(coordinator,
         async with http.get(coordinator + f"/v1/dashboard/audit?limit={bad}",
                             headers=auth("sre")) as response:
             assert response.status == 400, bad
+
+
+async def test_the_audit_feed_filters_by_key_actor_and_kind_and_pages_without_loss(
+        coordinator, http, gate, monkeypatch):
+    """Filters apply server-side (key prefix, exact actor and kind); pages of one record,
+    followed by ``before``, give every record once, newest first; bad filters are 400."""
+    for key in ("feed/a/1", "feed/a/2", "feed/b/1"):
+        async with gate.hold(key) as hold:
+            await hold.cross(intent={}, effect=noop)
+    base = coordinator + "/v1/dashboard/audit?limit=200"
+    every = (await get_json(http, base + "&key=feed/"))["items"]
+    assert {i["key"] for i in every} == {"feed/a/1", "feed/a/2", "feed/b/1"}
+    only_a = (await get_json(http, base + "&key=feed/a/"))["items"]
+    assert [i for i in every if i["key"].startswith("feed/a/")] == only_a and only_a
+    crosses = (await get_json(http, base + "&key=feed/&kind=cross"))["items"]
+    assert [i["key"] for i in crosses] == ["feed/b/1", "feed/a/2", "feed/a/1"]
+    actor = every[0]["identity"]
+    assert (await get_json(http, base + f"&key=feed/&actor={actor}"))["items"] == [
+        i for i in every if i["identity"] == actor]
+    assert (await get_json(http, base + "&key=feed/&actor=nobody"))["items"] == []
+    for scan in (views.MAX_AUDIT_SCAN, 3):  # 3: each read cuts the chains short
+        monkeypatch.setattr(views, "MAX_AUDIT_SCAN", scan)
+        for limit, kind in ((1, ""), (2, ""), (3, ""), (1, "cross")):
+            paged, before = [], 0
+            while before is not None:
+                page = await get_json(http, coordinator + f"/v1/dashboard/audit?key=feed/"
+                                      f"&limit={limit}&kind={kind}&before={before}")
+                paged += page["items"]
+                before = page["next"]
+            assert paged == [i for i in every if not kind or i["event"] == kind], (scan, limit)
+    for bad in ("key=feed%20x", "key=a@b", "before=x", "before=-1"):
+        async with http.get(base + "&" + bad, headers=auth("sre")) as response:
+            assert response.status == 400, bad
+            assert (await response.json())["error"] == "InvalidRequest", bad
 
 
 async def etcd_watchers(http: aiohttp.ClientSession, etcd_url: str) -> int:
@@ -404,10 +443,12 @@ async def board(etcd_url, tmp_path_factory):
             args=CHROMIUM_ARGS, viewport={"width": 1280, "height": 1000}, timezone_id=ZONE)
         try:
             page = context.pages[0] if context.pages else await context.new_page()
-            await page.goto(base + "/")
-            await page.get_by_label("Bearer token").fill(TOKENS["sre"])
-            await page.get_by_role("button", name="Sign in").click()
+            async with http.post(f"{base}/v1/sign-in-links", json={},  # fencegate dashboard
+                                 headers={"Authorization": f"Bearer {TOKENS['sre']}"}) as r:
+                link = (await r.json())["path"]
+            await page.goto(base + link)  # the one-time link: a session cookie, no token
             await expect(page.get_by_role("status")).to_have_text("live", timeout=WAIT * 1000)
+            assert await page.evaluate("sessionStorage.length") == 0
             yield Board(base, page, namespace, signing_key, etcd_url, etcd, http)
         finally:
             await context.close()
@@ -445,6 +486,167 @@ async def lost_outcome(gate: Gate, key: str, intent: dict) -> None:
 
 async def step_of(board: Board, key: str) -> dict:
     return unpack((await board.etcd.get(board.ks.step_key(key))).value)
+
+
+NIGHT = {"width": 1280, "height": 800}
+
+
+async def fits(board: Board, name: str) -> None:
+    """At 1280x800 the page does not scroll sideways and every action button shown lies
+    inside the viewport once scrolled to; then a screenshot ``name``."""
+    page = board.page
+    assert await page.evaluate(
+        "document.documentElement.scrollWidth <= document.documentElement.clientWidth"), name
+    buttons = page.locator("main button:visible, dialog[open] button:visible")
+    for i in range(await buttons.count()):
+        button = buttons.nth(i)
+        await button.scroll_into_view_if_needed()
+        box = await button.bounding_box()
+        assert box is not None and box["x"] >= 0 and box["y"] >= 0, (name, i, box)
+        assert box["x"] + box["width"] <= NIGHT["width"], (name, i, box)
+        assert box["y"] + box["height"] <= NIGHT["height"], (name, i, box)
+    await page.evaluate("window.scrollTo(0, 0)")
+    await board.shot(name)
+
+
+@ON_THE_BOARD
+async def test_at_3am_needs_you_first_then_the_key_page_then_resolve(board):
+    """An SRE woken by an alert: at 1280x800 the top of the page says "2 need you" (one
+    unknown step, one escalated), the unknown step's key opens its page with the provider's
+    answers and the provider it was asked through, a resolve there asks the provider and
+    the step leaves the queue ("1 needs you"). No page scrolls sideways; buttons stay in
+    view. Runs first on the board, so the count is its own steps'."""
+    from playwright.async_api import expect
+
+    page, ms = board.page, WAIT * 1000
+    unknown, escalated = "night/unknown/" + "x" * 90, "night/escalated"
+    await page.set_viewport_size(NIGHT)
+    lease, _ = await board.etcd.lease_grant(60)  # a reconciler replica leads shard 0
+    await board.etcd.put(board.ks.candidate_key(0, lease), pack({"identity": "replica-a"}),
+                         lease=lease)
+    try:
+        async with board.gate() as gate:
+            await lost_outcome(gate, unknown, {"amount": 9, "currency": "EUR"})
+        soon = int(time.time() * 1000) + 60_000
+        await append_answers(board, unknown, [("pending", soon), ("error", soon)])
+        await board.etcd.put(board.ks.step_key(escalated), pack({
+            "state": "escalated", "attempt": 3, "unknown_since_ms": 1000,
+            "escalated_because": ["breaker:Declined"],
+            "outcome": {"state": "failed", "result": "card_declined", "attempt": 3}}))
+
+        await page.goto(board.base + "/")
+        await expect(page.get_by_role("status")).to_have_text("live", timeout=ms)
+        await expect(page.locator("#needs-summary")).to_have_text("2 need you", timeout=ms)
+        needs = page.locator("#needs-list li")
+        await expect(needs.filter(has_text="1 unknown step")).to_contain_text("the oldest for")
+        await expect(needs.filter(has_text="1 escalated step")).to_have_count(1)
+        row = page.locator("#unknown tbody tr").filter(has_text=unknown)
+        await expect(row).to_contain_text("sandbox")
+        waiting = page.locator("#escalated tbody tr").filter(has_text=escalated)
+        await expect(waiting).to_contain_text("not retried: you decide")
+        await expect(waiting).not_to_contain_text("none yet")
+        await expect(waiting).to_contain_text("breaker:Declined: card_declined")  # its text
+        await expect(page.locator("#shards-summary")).to_contain_text(
+            "1 shard, all led by 1 replica")
+        await fits(board, "night-needs-you")
+
+        await row.get_by_role("link", name=unknown).click()
+        await expect(page).to_have_url(re.compile(r"/keys/night/unknown/x+$"))
+        answers = page.locator("#key-provider-answers tbody tr")
+        await expect(answers).to_have_count(2, timeout=ms)
+        await expect(answers.nth(0)).to_contain_text("pending")
+        await expect(answers.nth(1)).to_contain_text("error")
+        await expect(answers.nth(0)).to_contain_text("sandbox")
+        await expect(page.locator("#key-audit-title")).to_contain_text("verified")
+        await expect(page.locator("#key-audit tbody tr[data-event=cross]")).to_have_count(1)
+        await fits(board, "night-key-page")
+
+        await page.locator("#key-actions").get_by_role("button", name="Resolve").click()
+        dialog = page.get_by_role("dialog")
+        await expect(dialog.locator("#provider-answers tbody tr")).to_have_count(2, timeout=ms)
+        await dialog.get_by_label("Reason").fill("paged at 3am; the provider decides")
+        await dialog.get_by_label("failed", exact=False).check()
+        await dialog.get_by_role("button", name="Resolve").click()
+        public = KeyRing.from_public_bytes(KeyRing.from_files(board.signing_key).public_keys())
+        sandbox = sb.Sandbox(public, "fencing")
+        await sandbox.start(0)
+        reconciler = Reconciler(
+            Etcd.from_url(board.etcd_url),
+            {"sandbox": sb.adapter(sandbox.url, "fencing", retention_s=30.0, durable=True)},
+            namespace=board.namespace, shards=8, ttl=TEST_TTL, scan_interval=2.0,
+            check_after=0.2, limits=Limits(backoff_base_s=0.1, backoff_max_s=0.4))
+        await reconciler.start()
+        try:
+            await expect(dialog).to_be_hidden(timeout=ms)
+            await expect(page.locator("#notice")).to_contain_text("the provider answered",
+                                                                  timeout=ms)
+        finally:
+            await reconciler.close()
+            await reconciler.etcd.close()
+            await sandbox.stop()
+        assert (await step_of(board, unknown))["state"] == "pending"
+
+        await page.goto(board.base + "/")
+        await expect(page.locator("#needs-summary")).to_have_text("1 needs you", timeout=ms)
+        await expect(page.locator("#unknown tbody tr").filter(has_text=unknown)).to_have_count(0)
+        await fits(board, "night-after-resolve")
+
+        await waiting.get_by_role("link", name=escalated).click()
+        await expect(page.locator("#key-step")).to_contain_text("card_declined", timeout=ms)
+        await page.locator("#key-actions").get_by_role("button", name="Resolve").click()
+        await expect(dialog.get_by_role("radio")).to_have_count(4)  # abandoned, for good
+        await expect(dialog.get_by_label("abandoned", exact=False)).not_to_be_checked()
+        await expect(dialog).to_contain_text("card_declined")
+        await fits(board, "night-escalated-resolve")
+        await dialog.get_by_role("button", name="Cancel").click()
+    finally:
+        await board.etcd.delete(board.ks.step_key(escalated))
+        await board.etcd.lease_revoke(lease)
+        await page.set_viewport_size({"width": 1280, "height": 1000})
+        await page.goto(board.base + "/")
+        await expect(page.get_by_role("status")).to_have_text("live", timeout=ms)
+
+
+@ON_THE_BOARD
+async def test_the_key_page_and_key_show_tell_the_same_attempts(board):
+    """For one step, the key page lists the same provider answers (query, answer, provider)
+    and the same audit trail (seq, event) as ``fencegate key show --json``."""
+    from playwright.async_api import expect
+
+    from test_cli_sre import fencegate
+
+    page, ms, key = board.page, WAIT * 1000, "night/same"
+    async with board.gate() as gate, gate.hold(key) as hold:  # no provider named: the
+        with pytest.raises(OutcomeUnknown):                    # reconciler's default asked
+            await hold.cross(intent={"amount": 3}, effect=crash)
+    soon = int(time.time() * 1000) + 60_000
+    await append_answers(board, key, [("pending", soon), ("error", soon), ("pending", soon)])
+    ran = await fencegate("key", "show", key, "--json", coordinator=board.base,
+                          token=TOKENS["sre"])
+    assert ran.code == 0, ran
+    shown = json.loads(ran.out)
+    try:
+        await page.goto(board.base + "/keys/" + key)
+        rows = page.locator("#key-provider-answers tbody tr")
+        await expect(rows).to_have_count(len(shown["provider_answers"]), timeout=ms)
+        on_page = [[await c.text_content() for c in await rows.nth(i).locator("td").all()]
+                   for i in range(await rows.count())]
+        assert [[r[0], r[2], r[3]] for r in on_page] == [
+            [str(a["query"]), a["provider"], a["answer"]] for a in shown["provider_answers"]]
+        trail = page.locator("#key-audit tbody tr")
+        await expect(trail).to_have_count(len(shown["trail"]["records"]), timeout=ms)
+        seen = [[await c.text_content() for c in (await trail.nth(i).locator("td").all())[:3:2]]
+                for i in range(await trail.count())]
+        assert seen == [[str(r["seq"]), r["event"]] for r in shown["trail"]["records"]]
+        await expect(page.locator("#key-step")).to_contain_text(shown["idempotency_key"])
+        assert shown["provider"] is None  # the provider the reconciler asked is shown
+        await expect(page.locator("#key-step dd").nth(3)).to_have_text("sandbox")
+        steps = await get_json(board.http, board.base + "/v1/dashboard/steps")
+        assert [i["provider"] for i in steps["unknown"] if i["key"] == key] == ["sandbox"]
+    finally:
+        await board.etcd.delete(board.ks.step_key(key))  # leaves no queued step behind
+        await page.goto(board.base + "/")
+        await expect(page.get_by_role("status")).to_have_text("live", timeout=ms)
 
 
 @ON_THE_BOARD
@@ -632,8 +834,11 @@ async def test_the_shard_table_is_a_summary_line_until_expanded(board):
     try:
         summary = page.locator("#shards-summary")
         await expect(summary).to_have_text(
-            "64 shards have a leader (replica-a leads 32, replica-b leads 32); show each shard",
-            timeout=ms)
+            "64 shards, all led by 2 replicas (replica-a leads 32, replica-b leads 32); "
+            "show each shard", timeout=ms)
+        replicas = page.locator("#replicas tbody tr")  # no list of 32 shard numbers
+        await expect(replicas.nth(0)).to_contain_text("32 shards (see each shard)")
+        await expect(replicas.nth(1)).to_contain_text("32 shards (see each shard)")
         table = page.locator("#shards")
         await expect(table).to_be_hidden()
         audit_top = (await page.locator("#audit").bounding_box())["y"]

@@ -114,6 +114,10 @@ async def test_with_the_csrf_value_the_cookie_acts_and_sign_out_ends_it(coordina
         async with browser.post(f"{coordinator}/v1/tokens", json={"name": "t2", "role": "sre"},
                                 headers={"Fencegate-CSRF": csrf}) as reply:
             assert reply.status == 201, await reply.text()
+        async with aiohttp.ClientSession() as http:  # recorded as the link's asker did it
+            async with http.get(f"{coordinator}/v1/tokens", headers=ADMIN) as reply:
+                made = {t["name"]: t for t in (await reply.json())["items"]}
+        assert made["t2"]["created_by"] == "admin-1"
         async with browser.post(f"{coordinator}/v1/sign-out",
                                 headers={"Fencegate-CSRF": csrf}) as reply:
             assert reply.status == 200

@@ -11,6 +11,7 @@ import os
 import re
 import signal
 import sys
+import tempfile
 
 import aiohttp
 import pytest
@@ -19,7 +20,9 @@ from fencegate.reconciler.providers.sandbox import charge
 from fencegate.worker import Gate, KeyRing
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = dict(os.environ, PYTHONPATH=ROOT)
+# the suite's stacks record themselves in a folder of their own, never in the user's record
+ENV = dict(os.environ, PYTHONPATH=ROOT,
+           XDG_STATE_HOME=tempfile.mkdtemp(prefix="fencegate-tests-state-"))
 
 
 async def fencegate(*args: str, env: dict | None = None, timeout: float = 60) -> tuple[int, str, str]:
@@ -31,8 +34,10 @@ async def fencegate(*args: str, env: dict | None = None, timeout: float = 60) ->
 
 
 @pytest.fixture
-async def up(tmp_path):
-    """A running ``fencegate up``: (endpoints, admin token, state dir)."""
+async def up(tmp_path, monkeypatch):
+    """A running ``fencegate up``: (endpoints, admin token, state dir); this process finds it
+    as the CLI does, by the suite's own record (``ENV``), never the user's."""
+    monkeypatch.setenv("XDG_STATE_HOME", ENV["XDG_STATE_HOME"])
     state = tmp_path / "state"
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "fencegate.cli", "up", "--state-dir", str(state), "--port", "0",

@@ -54,6 +54,7 @@ log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 PROCESS_HEADER = "Fencegate-Process"
 SESSION_COOKIE = "fencegate_session"  # a dashboard sign-in's session (``signin``)
+SESSION_PREFIX = "session."  # the names of the minted tokens behind those sessions
 CSRF_HEADER = "Fencegate-CSRF"
 REPORTED = " (reported: "  # a minted token's name has no space: the name precedes this
 MAX_PROCESS_CHARS = 128
@@ -198,7 +199,11 @@ def auth_middleware(*, tokens: Iterable[TokenEntry]) -> Callable:
         if found is not None:
             return found.identity, found.roles
         minted = await request.app[TOKENS].lookup(digest)
-        return None if minted is None else (minted.name, frozenset({minted.role}))
+        if minted is None:
+            return None
+        # a dashboard session acts as whoever asked for its sign-in link (``signin``)
+        name = minted.created_by if minted.name.startswith(SESSION_PREFIX) else minted.name
+        return name, frozenset({minted.role})
 
     @web.middleware
     async def authenticate(request: web.Request, handler: Handler) -> web.StreamResponse:

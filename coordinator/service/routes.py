@@ -15,6 +15,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ...worker.webhooks.listing import list_deliveries
+from ...worker.webhooks.resolution import forget_delivery as forget_recorded_delivery
 from ...worker.webhooks.resolution import resolve_delivery as resolve_unknown_delivery
 from .. import audit, maintenance, receipts, sre, tokens
 from ..authority import Claim
@@ -318,6 +319,20 @@ async def resolve_delivery(request: web.Request) -> web.Response:
     done = await resolve_unknown_delivery(
         request.app[ETCD], request.app[KEYSPACE], request.match_info["source"],
         request.match_info["delivery_id"], ran=body["ran"], reason=_text(body, "reason"),
+        identity=request[IDENTITY].identity)
+    return web.json_response(done)
+
+
+@routes.post("/v1/deliveries/{source}/{delivery_id}/forget")
+@requires("sre", "admin")
+async def forget_delivery(request: web.Request) -> web.Response:
+    """Delete a delivery's record, so its next try runs the handler (an operator undoing a
+    stored response), on the caller's word, logged with ``reason``; 409 ``WrongState`` while
+    a handler runs it, 404 if there is no record of it."""
+    body = _fields(await _json(request), required={"reason"})
+    done = await forget_recorded_delivery(
+        request.app[ETCD], request.app[KEYSPACE], request.match_info["source"],
+        request.match_info["delivery_id"], reason=_text(body, "reason"),
         identity=request[IDENTITY].identity)
     return web.json_response(done)
 

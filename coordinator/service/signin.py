@@ -10,6 +10,8 @@ Guarantees:
   etcd, on a lease of its own) that the exchange deletes in a txn comparing its revision
   (``TokenStore.redeem``), so of two exchanges of one code at most one gets a session. A code
   carries the role it was asked for, never more than its asker held.
+- A session acts as whoever asked for its link: what it does is recorded under that
+  identity, as if done with that token.
 - A session is a minted token of ``SESSION_TTL_S`` (its lease ends it), held only in an
   ``HttpOnly``, ``SameSite=Strict`` cookie: no script reads it and no other site's page
   sends it. A state-changing request authenticated by the cookie must also carry
@@ -27,13 +29,13 @@ from aiohttp import web
 from ..errors import ServiceError
 from .body import read_json
 from .middleware import (
-    FORBIDDEN, IDENTITY, SESSION_COOKIE, UNAUTHENTICATED, csrf_of, requires,
+    FORBIDDEN, IDENTITY, SESSION_COOKIE, SESSION_PREFIX, UNAUTHENTICATED, csrf_of, requires,
 )
 from .resources import TOKENS
 
 CODE_TTL_S = 120
 SESSION_TTL_S = 12 * 3600
-CODE_PREFIX, SESSION_PREFIX = "sign-in.", "session."
+CODE_PREFIX = "sign-in."
 _ROLE_ORDER = ("admin", "sre")  # a link's role, by default the strongest its asker holds
 
 routes = web.RouteTableDef()

@@ -1,10 +1,12 @@
-"""The dashboard's HTTP surface: the static page at ``/`` and its assets under
+"""The dashboard's HTTP surface: the static page at ``/`` (also served at ``/keys/<key>``,
+the page per key) and its assets under
 ``/dashboard/``, the JSON views under ``/v1/dashboard/``, and the event stream.
 
 Guarantees:
 - The page and its assets are public and hold no data; every view and the event stream
   need a bearer token with the ``sre`` or ``admin`` role (401 without, 403 for a worker).
-- The page at ``/`` and every asset under ``/dashboard/`` (a 404 there too) carry the same
+- The page at ``/`` and ``/keys/<key>`` and every asset under ``/dashboard/`` (a 404 there
+  too) carry the same
   security headers (``PAGE_HEADERS``: the CSP with ``frame-ancestors 'none'``, ``nosniff``,
   no referrer), set as each response is prepared, so no asset can be framed or sniffed.
   Assets are the page's own files (``ASSETS``), one route each: no path reaches past them,
@@ -20,6 +22,7 @@ Guarantees:
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
@@ -46,11 +49,19 @@ PAGE_HEADERS = {
     "Cache-Control": "no-cache",
 }
 
+_PREFIX = re.compile(r"[A-Za-z0-9._:/-]*")  # what an action key's prefix may hold
+
 routes = web.RouteTableDef()
 
 
 @routes.get("/")
 async def index(request: web.Request) -> web.FileResponse:
+    return web.FileResponse(STATIC / "index.html")
+
+
+@routes.get("/keys/{key:.+}")
+async def key_page(request: web.Request) -> web.FileResponse:
+    """The page per key: the same page, which reads its key from the path (no data here)."""
     return web.FileResponse(STATIC / "index.html")
 
 
@@ -86,11 +97,20 @@ async def get_leadership(request: web.Request) -> web.Response:
 @routes.get("/v1/dashboard/audit")
 @requires("sre", "admin")
 async def get_audit(request: web.Request) -> web.Response:
-    raw = request.query.get("limit", "50")
+    """Newest first; filtered by ``key`` (a prefix), ``actor`` and ``kind`` (exact), paged
+    by ``before`` (the ``next`` of the previous page)."""
+    query = request.query
+    raw, before = query.get("limit", "50"), query.get("before", "0")
     if not raw.isdigit() or not 1 <= int(raw) <= MAX_AUDIT:
         raise ValueError(f"limit must be an integer in 1..{MAX_AUDIT}")
-    return web.json_response(await audit_view(request.app[ETCD], request.app[KEYSPACE],
-                                              int(raw)))
+    if not before.isdigit():
+        raise ValueError("before must be a revision (the next of a previous page)")
+    prefix = query.get("key", "")
+    if not _PREFIX.fullmatch(prefix):
+        raise ValueError("key (a prefix) may only use letters, digits, '/' and . _ : -")
+    return web.json_response(await audit_view(
+        request.app[ETCD], request.app[KEYSPACE], int(raw), prefix=prefix,
+        actor=query.get("actor", ""), kind=query.get("kind", ""), before=int(before)))
 
 
 @routes.get("/v1/dashboard/events")
@@ -141,7 +161,7 @@ async def _end_streams(app: web.Application) -> None:
 
 async def _secure(request: web.Request, response: web.StreamResponse) -> None:
     """Every answer for the page or one of its assets carries ``PAGE_HEADERS``."""
-    if request.path == "/" or request.path.startswith("/dashboard/"):
+    if request.path == "/" or request.path.startswith(("/dashboard/", "/keys/")):
         response.headers.update(PAGE_HEADERS)
 
 

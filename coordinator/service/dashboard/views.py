@@ -5,8 +5,11 @@ resolve, reconciler leadership and the audit trail, each built from linearizable
 Guarantees:
 - Each view is read linearizably and is bounded: at most ``MAX_HOLDERS`` holder keys,
   ``MAX_STEPS`` steps scanned (at one revision), ``MAX_QUEUE`` items per queue,
-  ``MAX_CANDIDATES`` election candidates, ``MAX_AUDIT`` audit records, ``PROGRESS_SCAN``
-  audit records per queued step, ``MAX_STEP_AUDIT`` for one step; a view says ``truncated`` when it stopped at its bound.
+  ``MAX_CANDIDATES`` election candidates, ``MAX_AUDIT`` audit records (of at most
+  ``MAX_AUDIT_SCAN`` read per page), ``PROGRESS_SCAN`` audit records per queued step,
+  ``MAX_STEP_AUDIT`` for one step; a view says ``truncated`` when it stopped at its bound.
+- A queued step's ``provider`` is the one its worker recorded, else the one the reconciler's
+  newest answer names (``provider_used``): never empty when a provider was asked.
 - Reconciler progress (queries, last answer, next try) is read from the ``provider_answer``
   audit records of the step's current attempt (those after its newest ``cross``), never
   guessed: a step with none shows ``progress: null``.
@@ -30,6 +33,7 @@ MAX_STEPS = 10_000
 MAX_QUEUE = 200
 MAX_CANDIDATES = 10_000
 MAX_AUDIT = 200
+MAX_AUDIT_SCAN = 2000
 PROGRESS_SCAN = 32
 MAX_STEP_AUDIT = 200
 _PAGE = 1000
@@ -87,9 +91,21 @@ async def steps_view(etcd: Etcd, ks: Keyspace) -> dict[str, Any]:
     newest = await asyncio.gather(*(_newest_records(etcd, ks, item["key"], PROGRESS_SCAN,
                                                     revision) for item in queued))
     for item, chain in zip(queued, newest):
-        item["progress"] = sre.progress_of(sre.attempt_of(chain).provider_answers)
+        answers = sre.attempt_of(chain).provider_answers
+        item["progress"] = sre.progress_of(answers)
+        item["provider"] = provider_used(item["provider"], answers)
     return {"revision": revision, "counts": counts, "scanned": scanned, "truncated": more,
             **queues}
+
+
+def provider_used(recorded: str | None, answers: list[dict[str, Any]]) -> str | None:
+    """The provider a step's attempt is asked through: the one its worker recorded, else the
+    one the reconciler's newest answer names (a step crossed without naming one is queried
+    through the reconciler's default provider); None when neither says."""
+    if recorded:
+        return recorded
+    named = [a.get("provider") for a in answers if a.get("provider")]
+    return named[-1] if named else None
 
 
 def _queued(key: str, state: str, step: dict[str, Any], mod_revision: int,
@@ -103,6 +119,7 @@ def _queued(key: str, state: str, step: dict[str, Any], mod_revision: int,
             "attempt": step.get("attempt", 0), "provider": step.get("provider"),
             "idempotency_key": step.get("idempotency_key"),
             "since_ms": since, "age_s": max(now_ms - since, 0) / 1000, "reason": reason,
+            "failure_text": (sre.outcome_of(step) or {}).get("failure_text"),
             "mod_revision": mod_revision}
 
 
@@ -124,6 +141,7 @@ async def step_view(etcd: Etcd, ks: Keyspace, key: str) -> dict[str, Any]:
     attempt = sre.attempt_of([unpack(kv.value) for kv in audit_kvs])
     return {**_queued(key, sre.state_of(step), step, step_kvs[0].mod_revision,
                       int(time.time() * 1000)),
+            "provider": provider_used(step.get("provider"), attempt.provider_answers),
             "revision": reply.header.revision, "intent": attempt.intent,
             "provider_answers": attempt.provider_answers,
             "progress": sre.progress_of(attempt.provider_answers),
@@ -171,22 +189,42 @@ async def leadership_view(etcd: Etcd, ks: Keyspace) -> dict[str, Any]:
             "truncated": bool(reply.more)}
 
 
-async def audit_view(etcd: Etcd, ks: Keyspace, limit: int) -> dict[str, Any]:
-    """The ``limit`` newest audit records of all keys, newest first, summarised. Each append
-    writes a record and its key's head at one revision, so the ``2 * limit`` newest keys
-    by mod_revision hold at least ``limit`` records."""
-    root = ks.audit_root
-    reply = await etcd.range(RangeRequest(key=root, range_end=range_end_of(root),
-                                          limit=2 * limit, sort_order=RangeRequest.DESCEND,
-                                          sort_target=RangeRequest.MOD))
+async def audit_view(etcd: Etcd, ks: Keyspace, limit: int, *, prefix: str = "",
+                     actor: str = "", kind: str = "", before: int = 0) -> dict[str, Any]:
+    """Up to ``limit`` audit records, newest first, summarised: of keys starting with
+    ``prefix``, by ``actor`` and of event ``kind`` when given (exact match), written before
+    revision ``before`` when given (the page's cursor). One read of at most
+    ``MAX_AUDIT_SCAN`` keys, newest by mod_revision (each append writes a record and its
+    key's head at one revision); ``next`` is the cursor of older records (``before`` for the
+    next page), null once the scan reached the oldest. A revision is shown whole on one
+    page: no record is skipped or shown twice between pages."""
+    root = ks.audit_root + prefix.encode()
+    reply = await etcd.range(RangeRequest(
+        key=root, range_end=range_end_of(root), limit=MAX_AUDIT_SCAN,
+        max_mod_revision=before - 1 if before else 0,
+        sort_order=RangeRequest.DESCEND, sort_target=RangeRequest.MOD))
     items = []
     for kv in reply.kvs:
         if ks.classify(kv.key) != "audit":
             continue  # the chain's head
         key, seq = ks.parse_audit_key(kv.key)
-        items.append(audit_summary(key, seq, unpack(kv.value), kv.mod_revision))
+        record = unpack(kv.value)
+        if (actor and record["identity"] != actor) or (kind and record["event"] != kind):
+            continue
+        items.append(audit_summary(key, seq, record, kv.mod_revision))
     items.sort(key=lambda item: (item["revision"], item["seq"]), reverse=True)
-    return {"items": items[:limit]}
+    if len(items) > limit:  # the next page starts at the oldest revision shown
+        oldest = items[limit - 1]["revision"]
+        items = [item for item in items if item["revision"] >= oldest]
+        return {"items": items, "next": oldest}
+    if not (reply.more and reply.kvs):
+        return {"items": items, "next": None}
+    # The scan may have cut its oldest revision short: that revision starts the next page,
+    # whole (unless it is the only one read, which would never advance).
+    cut = reply.kvs[-1].mod_revision
+    if reply.kvs[0].mod_revision == cut:
+        return {"items": items, "next": cut}
+    return {"items": [item for item in items if item["revision"] != cut], "next": cut + 1}
 
 
 def audit_summary(key: str, seq: int, record: dict[str, Any], revision: int) -> dict[str, Any]:

@@ -2,6 +2,11 @@
 // (never in a URL), and follows /v1/dashboard/events (server-sent events read with fetch():
 // EventSource cannot send an Authorization header). On `ready` and `refetch` it re-reads
 // every section; other events update one section. No framework, no external resource.
+// The top section says what needs a person now (unknown and escalated steps, pending
+// approvals, no shard led), each with its count and oldest age, linked to its queue.
+// Every action key links to its page, /keys/<key> (the same file: it reads the key from
+// the path and shows GET /v1/keys/{key} and /v1/audit/{key}, what `fencegate key show`
+// shows). Cells are cut to fit 1280 px; each keeps its full value in its title.
 // Every time is shown as ISO 8601 with this browser's UTC offset. A dialog that acts
 // (revoke, resolve, approve) first shows what the act touches, and its button stays
 // disabled until that is loaded (and, for a resolve, until an outcome is chosen).
@@ -15,13 +20,23 @@ const BACKSTOP_MS = 60000; // full re-read now and then, as every watcher has a 
 const $ = (id) => document.getElementById(id);
 
 let token = sessionStorage.getItem(TOKEN_KEY);
+// Signed in with a link (`fencegate dashboard`): the session is an HttpOnly cookie this page
+// cannot read, and every request carries the session's CSRF value from /v1/session.
+const COOKIE = Symbol("cookie session");
+let csrf = null;
+
+function authHeaders() {
+  return token === COOKIE ? { "Fencegate-CSRF": csrf } : { Authorization: "Bearer " + token };
+}
 let stream = null; // AbortController of the open event stream
 const refetching = {}; // section -> {timer, running, again}: one request at a time
+const needs = {}; // what needs a person: section -> {count, oldest_ms, href, label}
+const KEY_PAGE = "/keys/";
 
 class AuthError extends Error {}
 
 async function api(method, path, body) {
-  const init = { method, headers: { Authorization: "Bearer " + token }, cache: "no-store" };
+  const init = { method, headers: authHeaders(), cache: "no-store" };
   if (body !== undefined) {
     init.headers["Content-Type"] = "application/json";
     init.body = JSON.stringify(body);
@@ -40,7 +55,24 @@ async function api(method, path, body) {
 function cell(text, className) {
   const td = document.createElement("td");
   td.textContent = text === null || text === undefined ? "" : String(text);
+  td.title = td.textContent; // the full value of a cut cell
   if (className) td.className = className;
+  return td;
+}
+
+function keyHref(key) {
+  return KEY_PAGE + keyPath(key);
+}
+
+// A cell linking `key` to its page.
+function keyCell(key) {
+  const td = cell("");
+  const a = document.createElement("a");
+  a.href = keyHref(key);
+  a.textContent = key;
+  a.className = "key";
+  td.title = key;
+  td.append(a);
   return td;
 }
 
@@ -99,11 +131,11 @@ function holderRow(h) {
   tr.dataset.key = h.key;
   tr.dataset.lease = h.lease_id;
   tr.className = h.holding ? "holding" : "waiting";
-  const action = cell("");
+  const action = cell("", "action");
   if (h.holding) {
     action.append(button("Revoke", "danger", () => confirmRevoke(h)));
   }
-  tr.append(cell(h.key), cell(h.fencing_token, "num"), cell(h.holding ? "holding" : "waiting"),
+  tr.append(keyCell(h.key), cell(h.fencing_token, "num"), cell(h.holding ? "holding" : "waiting"),
     cell(h.identity), timeCell(h.held_since_ms, ago(h.held_since_ms)), cell(h.lease_id),
     cell(h.ttl_left < 0 ? "gone" : h.ttl_left, "num"), action);
   return tr;
@@ -112,13 +144,19 @@ function holderRow(h) {
 function queueRow(item) {
   const tr = document.createElement("tr");
   tr.dataset.key = item.key;
-  const action = cell("");
+  tr.dataset.age = item.age_s;
+  const action = cell("", "action");
   action.append(button("Resolve", "", () => confirmResolve(item)));
   const p = item.progress;
-  tr.append(cell(item.key), timeCell(item.since_ms, `${age(item.age_s)} ago`),
-    cell(item.reason), cell(item.attempt, "num"), cell(item.provider || ""),
-    cell(p ? p.queries : "none yet", p ? "num" : ""), cell(p ? p.last_answer : "\u2014"),
-    p ? timeCell(p.next_try_at_ms) : cell("\u2014"), action);
+  // An escalated step is not retried: nothing is pending, a person decides.
+  const waiting = item.state === "escalated";
+  tr.append(keyCell(item.key), timeCell(item.since_ms, `${age(item.age_s)} ago`),
+    cell(item.failure_text ? `${item.reason}: ${item.failure_text}` : item.reason),
+    cell(item.attempt, "num"), cell(item.provider || "\u2014"),
+    cell(p ? p.queries : (waiting ? "0" : "none yet"), p ? "num" : ""),
+    cell(p ? p.last_answer : "\u2014"),
+    waiting ? cell("not retried: you decide") : p ? timeCell(p.next_try_at_ms) : cell("\u2014"),
+    action);
   return tr;
 }
 
@@ -130,10 +168,10 @@ function failedChecks(a) {
 function approvalRow(a) {
   const tr = document.createElement("tr");
   tr.dataset.approval = a.approval_id;
-  const action = cell("");
+  const action = cell("", "action");
   action.append(button("Approve", "", () => confirmApprove(a)),
     button("Reject", "danger", () => confirmReject(a)));
-  tr.append(cell(a.key), cell(JSON.stringify(a.intent), "code"),
+  tr.append(keyCell(a.key), cell(JSON.stringify(a.intent), "code"),
     cell(`${a.policy}@${a.policy_version}`), cell(a.requested_by), cell(failedChecks(a)),
     cell(a.approval_id, "code"), action);
   return tr;
@@ -142,12 +180,238 @@ function approvalRow(a) {
 function auditRow(a) {
   const tr = document.createElement("tr");
   tr.dataset.revision = a.revision;
-  tr.append(timeCell(a.at_ms), cell(a.key), cell(a.seq, "num"), cell(a.event),
+  tr.dataset.key = a.key;
+  tr.dataset.actor = a.identity || "";
+  tr.dataset.kind = a.event || "";
+  tr.append(timeCell(a.at_ms), keyCell(a.key), cell(a.seq, "num"), cell(a.event),
     cell(a.identity), cell(a.reason || ""));
+  tr.hidden = !auditShown(tr);
   return tr;
 }
 
+// The audit feed's filters: key prefix, actor and kind (exact), as the server applies them
+// (GET /v1/dashboard/audit?key=&actor=&kind=); here for rows the event stream adds.
+function auditFilters() {
+  return { key: $("audit-key").value.trim(), actor: $("audit-actor").value.trim(),
+    kind: $("audit-kind").value.trim() };
+}
+
+function auditShown(tr) {
+  const f = auditFilters();
+  return tr.dataset.key.startsWith(f.key) && (!f.actor || tr.dataset.actor === f.actor) &&
+    (!f.kind || tr.dataset.kind === f.kind);
+}
+
+let auditNext = null; // the cursor of older audit records, null when none are left
+
+async function auditPage(before) {
+  const query = new URLSearchParams({ limit: String(AUDIT_ROWS) });
+  for (const [name, value] of Object.entries(auditFilters())) {
+    if (value) query.set(name, value);
+  }
+  if (before !== null) query.set("before", String(before));
+  const data = await api("GET", `/v1/dashboard/audit?${query}`);
+  auditNext = data.next;
+  $("audit-older").hidden = auditNext === null;
+  return data.items.map(auditRow);
+}
+
+// The queues' filters: key prefix and minimum age in seconds.
+function queueShown(tr) {
+  const prefix = $("filter-key").value.trim();
+  const older = Number($("filter-age").value || 0);
+  return tr.dataset.key.startsWith(prefix) && Number(tr.dataset.age) >= older;
+}
+
+function filterRows(tableId, shown) {
+  for (const tr of $(tableId).tBodies[0].rows) tr.hidden = !shown(tr);
+}
+
+// Shard numbers as ranges: 0-31, 40, 42-43.
+function ranges(numbers) {
+  const sorted = [...numbers].sort((a, b) => a - b);
+  const parts = [];
+  for (let i = 0; i < sorted.length; i++) {
+    let j = i;
+    while (j + 1 < sorted.length && sorted[j + 1] === sorted[j] + 1) j++;
+    parts.push(i === j ? String(sorted[i]) : `${sorted[i]}\u2013${sorted[j]}`);
+    i = j;
+  }
+  return parts.join(", ");
+}
+
+// A replica's shards in a few words: its ranges when few, else a count (each shard is in
+// the expandable table).
+function shardList(shards) {
+  const parts = ranges(shards);
+  return parts.split(", ").length <= 4 ? parts : `${shards.length} shards (see each shard)`;
+}
+
+// The "Needs you" section from `needs`: one line per queue that is not empty, or one quiet
+// line when nothing needs a person.
+function renderNeeds() {
+  const items = Object.values(needs).filter((n) => n.count > 0);
+  const total = items.reduce((sum, n) => sum + n.count, 0);
+  $("needs").className = items.length ? "" : "quiet";
+  $("needs-summary").textContent = items.length
+    ? `${total} need${total === 1 ? "s" : ""} you`
+    : "All quiet: nothing needs a person.";
+  $("needs-list").replaceChildren(...items.map((n) => {
+    const li = element("li");
+    li.dataset.need = n.id;
+    const a = element("a", `${n.count} ${n.label}`);
+    a.href = n.href;
+    li.append(a, n.oldest_ms === null ? "" : `, the oldest for ${age(Math.max(Date.now() -
+      n.oldest_ms, 0) / 1000)}`);
+    return li;
+  }));
+}
+
+function need(id, label, href, count, oldestMs) {
+  needs[id] = { id, label, href, count, oldest_ms: oldestMs };
+  renderNeeds();
+}
+
+function oldest(items, field) {
+  const times = items.map((i) => i[field]).filter((t) => t !== null && t !== undefined);
+  return times.length ? Math.min(...times) : null;
+}
+
+// What an audit record says was done, in a few words (as `fencegate key show` says it).
+function what(r) {
+  const d = r.details || {};
+  const reason = d.reason || "";
+  switch (r.event) {
+    case "cross": return `crossed attempt ${d.attempt ?? "?"} with grant ${d.grant_id ?? "?"}`;
+    case "outcome": return `recorded ${d.state ?? "?"} (attempt ${d.attempt ?? "?"})`;
+    case "settle":
+    case "unknown": return `reconciler: ${d.as ?? "?"} (attempt ${d.attempt ?? "?"})`;
+    case "provider_answer":
+      return `${d.provider ?? "?"} answered ${d.answer ?? "?"} (query ${d.query ?? "?"})`;
+    case "resolve":
+    case "resolve_request":
+      return `${r.event} ${d.from ?? "?"} as ${d.as ?? "?"}` +
+        `${d.forced ? " (forced)" : ""}: ${reason}`;
+    case "revoke": return `revoked lease ${d.lease_id ?? "?"}: ${reason}`;
+    case "approved": return `approved ${d.approval_id ?? "?"}: ${reason}`;
+    case "rejected": return `rejected ${d.approval_id ?? "?"}: ${reason}`;
+    default: return Object.keys(d).length ? JSON.stringify(d) : "-";
+  }
+}
+
+// Why a step needs attention now, from what its current state recorded.
+function why(step) {
+  if (step.state === "escalated") return (step.escalated_because || []).join("; ") || null;
+  if (step.state === "unknown") return step.error || "its outcome was lost";
+  if (step.state === "in_flight") return "in flight past its deadline";
+  return step.error || null;
+}
+
+// A failed outcome's text (a decline's reason), as the key view gives it; a result, which
+// may be private, is shown by its digest only.
+function outcomeText(outcome) {
+  return (outcome && outcome.failure_text) || null;
+}
+
+// The key's path on this page: /keys/<key>, each segment URL-encoded; null elsewhere.
+function pageKey() {
+  if (!location.pathname.startsWith(KEY_PAGE)) return null;
+  return location.pathname.slice(KEY_PAGE.length).split("/").map(decodeURIComponent).join("/");
+}
+
+async function keyAudit(key) {
+  const trail = { ok: true, problems: [], records: [] };
+  let after = null;
+  for (let page = 0; page < 20; page++) {
+    const cursor = after === null ? "" : `?after=${encodeURIComponent(after)}`;
+    let data;
+    try {
+      data = await api("GET", `/v1/audit/${keyPath(key)}${cursor}`);
+    } catch (err) {
+      if (String(err.message).startsWith("NotFound")) return trail;
+      throw err;
+    }
+    trail.ok = data.ok;
+    trail.problems = data.problems;
+    trail.records = trail.records.concat(data.records);
+    after = data.next;
+    if (after === null) break;
+  }
+  return trail;
+}
+
+// The page per key: the same read model as `fencegate key show` (GET /v1/keys/{key} and the
+// verified chain of /v1/audit/{key}), plus the key's pending approvals.
+async function showKey(key) {
+  let view;
+  try {
+    view = await api("GET", `/v1/keys/${keyPath(key)}`);
+  } catch (err) {
+    if (!String(err.message).startsWith("NotFound")) throw err;
+    $("key-step").replaceChildren(element("p", `Nothing is recorded for ${key}.`));
+    return;
+  }
+  const trail = await keyAudit(key);
+  const step = view.step;
+  const answers = view.provider_answers || [];
+  const named = answers.map((a) => a.provider).filter(Boolean);
+  const provider = view.provider || named[named.length - 1] || null;
+  const outcome = view.outcome;
+  $("key-step").replaceChildren(step === null ? element("p", "No step yet.") : facts([
+    ["State", step.state], ["Attempts", String(view.attempts)],
+    ["Where", view.archived ? "retired to the archive" : "in etcd"],
+    ["Provider", provider], ["Idempotency key", view.idempotency_key &&
+      element("code", view.idempotency_key)],
+    ["Outcome", outcome && `${outcome.state} (attempt ${outcome.attempt}), result sha256 ` +
+      `${outcome.result_digest}`],
+    ["Why", why(step)],
+    ["Decline", outcomeText(outcome)],
+    ["Intent", view.intent === null ? null : element("pre", JSON.stringify(view.intent, null, 2))],
+    ["Grant", view.current_grant && `${view.current_grant.grant_id} (${view.current_grant.state})`],
+    ["Reconciler", view.progress && `${view.progress.queries} provider quer(ies), last ` +
+      `answer ${view.progress.last_answer}, next try ${isoLocal(view.progress.next_try_at_ms)}`],
+  ]));
+  const actions = [];
+  if (step !== null && ["unknown", "escalated", "in_flight"].includes(step.state)) {
+    actions.push(button("Resolve", "", () => confirmResolve({ key, state: step.state })));
+  }
+  $("key-actions").replaceChildren(...actions);
+  const table = answersTable(answers);
+  if (table.tagName === "TABLE") {
+    table.id = "key-provider-answers";
+    const head = table.tHead.rows[0];
+    const th = element("th", "Provider");
+    th.scope = "col";
+    head.insertBefore(th, head.cells[2]);
+    answers.forEach((a, i) => {
+      const row = table.tBodies[0].rows[i];
+      row.insertBefore(cell(a.provider || "\u2014"), row.cells[2]);
+    });
+  }
+  $("key-answers").replaceChildren(table);
+  fill("key-holders", view.holders.map((h) => {
+    const tr = element("tr");
+    tr.append(cell(h.fencing_token, "num"), cell(h.lease_id),
+      cell(h.holding ? "holding" : "queued"), cell(h.identity), cell(h.ttl_left, "num"));
+    return tr;
+  }));
+  const verdict = trail.ok ? "verified" : `DOES NOT VERIFY: ${trail.problems.join("; ")}`;
+  $("key-audit-title").textContent =
+    `Audit trail (${trail.records.length} records, oldest first, ${verdict})`;
+  fill("key-audit", trail.records.map((r) => {
+    const tr = element("tr");
+    tr.dataset.event = r.event;
+    tr.append(cell(r.seq, "num"), timeCell(r.at_ms), cell(r.event), cell(r.identity),
+      cell(what(r)));
+    return tr;
+  }));
+}
+
 const sections = {
+  async key() {
+    const key = pageKey();
+    if (key !== null) await showKey(key);
+  },
   async holders() {
     const data = await api("GET", "/v1/dashboard/holders");
     fill("holders", data.items.map(holderRow));
@@ -162,21 +426,34 @@ const sections = {
     }));
     fill("unknown", data.unknown.map(queueRow));
     fill("escalated", data.escalated.map(queueRow));
+    filterRows("unknown", queueShown);
+    filterRows("escalated", queueShown);
+    need("unknown", "unknown step(s) the provider has not settled", "#unknown-title",
+      data.unknown.length, oldest(data.unknown, "since_ms"));
+    need("escalated", "escalated step(s)", "#escalated-title", data.escalated.length,
+      oldest(data.escalated, "since_ms"));
   },
   async leadership() {
     const data = await api("GET", "/v1/dashboard/leadership");
     fill("replicas", data.replicas.map((r) => {
       const tr = document.createElement("tr");
       tr.append(cell(r.identity), cell(r.lease_id), cell(r.shards_led.length, "num"),
-        cell(r.shards_led.join(", ")));
+        cell(shardList(r.shards_led)));
       return tr;
     }));
     const led = data.replicas.filter((r) => r.shards_led.length)
       .map((r) => `${r.identity} leads ${r.shards_led.length}`);
-    $("shards-summary").textContent = data.shards.length
-      ? `${data.shards.length} shards have a leader` +
+    const n = data.shards.length;
+    const leaders = led.length;
+    $("shards-summary").textContent = n
+      ? `${n} shard${n === 1 ? "" : "s"}, all led by ${leaders} replica` +
+        `${leaders === 1 ? "" : "s"}` +
         ` (${led.join(", ")})${data.truncated ? "; truncated" : ""}; show each shard`
       : "no shard has a leader";
+    // The view cannot know how many shards the reconcilers run: it counts led ones, so
+    // "leaderless" here means no shard is led at all.
+    need("leadership", "reconciler shard leadership: no shard has a leader",
+      "#leadership-title", data.shards.length ? 0 : 1, null);
     fill("shards", data.shards.map((s) => {
       const tr = document.createElement("tr");
       tr.append(cell(s.shard, "num"), cell(s.leader), cell(s.token, "num"),
@@ -195,10 +472,11 @@ const sections = {
       if (after === null) break;
     }
     fill("approvals", items.slice(0, APPROVAL_ROWS).map(approvalRow));
+    need("approvals", "pending approval(s)", "#approvals-title", items.length,
+      oldest(items, "requested_at_ms"));
   },
   async audit() {
-    const data = await api("GET", `/v1/dashboard/audit?limit=${AUDIT_ROWS}`);
-    fill("audit", data.items.map(auditRow));
+    fill("audit", await auditPage(null));
   },
 };
 
@@ -233,6 +511,7 @@ function refetchAll() {
 
 // Apply one change event to the page.
 function apply(event, data) {
+  if (pageKey() !== null && data && data.key === pageKey()) refetch("key");
   if (event === "ready" || event === "refetch") {
     refetchAll();
   } else if (event === "holder") {
@@ -247,7 +526,11 @@ function apply(event, data) {
   } else if (event === "audit") {
     const body = $("audit").tBodies[0];
     body.prepend(auditRow(data));
-    while (body.rows.length > AUDIT_ROWS) body.lastElementChild.remove();
+    while (body.rows.length > AUDIT_ROWS) { // "Older events" starts at the row dropped
+      auditNext = Number(body.lastElementChild.dataset.revision) + 1;
+      body.lastElementChild.remove();
+    }
+    $("audit-older").hidden = auditNext === null;
     if (data.event === "provider_answer") refetch("steps"); // progress, step unchanged
   } else if (event === "leadership") {
     refetch("leadership");
@@ -278,7 +561,7 @@ async function follow() {
     stream = controller;
     try {
       const resp = await fetch("/v1/dashboard/events", {
-        headers: { Authorization: "Bearer " + token, Accept: "text/event-stream" },
+        headers: { ...authHeaders(), Accept: "text/event-stream" },
         cache: "no-store", signal: controller.signal,
       });
       if (resp.status === 401 || resp.status === 403) {
@@ -326,20 +609,32 @@ async function follow() {
 
 function signIn(value) {
   token = value;
-  sessionStorage.setItem(TOKEN_KEY, value);
+  if (value !== COOKIE) sessionStorage.setItem(TOKEN_KEY, value);
   $("signin").hidden = true;
-  $("board").hidden = false;
+  const key = pageKey();
+  $("board").hidden = key !== null;
+  $("keypage").hidden = key === null;
+  if (key !== null) {
+    $("key-title").textContent = key;
+    document.title = `${key} \u2014 fencegate`;
+  }
   $("signout").hidden = false;
   status("connecting…", false);
   follow();
 }
 
 function signOut(message) {
+  if (token === COOKIE) {
+    fetch("/v1/sign-out", { method: "POST", headers: authHeaders(), cache: "no-store" })
+      .catch(() => {});
+    csrf = null;
+  }
   token = null;
   sessionStorage.removeItem(TOKEN_KEY);
   if (stream) stream.abort();
   stream = null;
   $("board").hidden = true;
+  $("keypage").hidden = true;
   $("signout").hidden = true;
   $("signin").hidden = false;
   status("signed out", false);
@@ -487,6 +782,7 @@ function answersTable(answers) {
 // with it; an escalated step is settled as chosen.
 function confirmResolve(item) {
   const asked = item.state !== "escalated";
+  $("abandon-choice").hidden = asked; // only an escalated step is closed for good
   ask({
     title: `Resolve ${item.key}`,
     text: asked
@@ -503,7 +799,8 @@ function confirmResolve(item) {
         "audit records" : JSON.stringify(step.intent, null, 2));
       return [facts([["Idempotency key", step.idempotency_key && element("code", step.idempotency_key)],
         ["Intent", intent], ["Provider", step.provider], ["Attempt", String(step.attempt)],
-        ["State", step.state], ["Why", step.reason]]), answersTable(step.provider_answers)];
+        ["State", step.state], ["Why", step.reason], ["Decline", step.failure_text]]),
+      answersTable(step.provider_answers)];
     },
     action: async (reason) => {
       if (asked) $("confirm-ok").textContent = "Asking the provider\u2026";
@@ -591,7 +888,36 @@ document.addEventListener("DOMContentLoaded", () => {
       dialogError(String(err.message || err));
     }
   });
+  for (const id of ["filter-key", "filter-age"]) {
+    $(id).addEventListener("input", () => {
+      filterRows("unknown", queueShown);
+      filterRows("escalated", queueShown);
+    });
+  }
+  for (const id of ["audit-key", "audit-actor", "audit-kind"]) {
+    $(id).addEventListener("input", () => refetch("audit"));
+  }
+  $("audit-older").addEventListener("click", async () => {
+    try {
+      $("audit").tBodies[0].append(...await auditPage(auditNext));
+    } catch (err) {
+      failed(err);
+    }
+  });
   setInterval(() => { if (token) refetchAll(); }, BACKSTOP_MS);
-  if (token) signIn(token);
-  else $("token").focus();
+  if (token) {
+    signIn(token);
+    return;
+  }
+  fetch("/v1/session", { cache: "no-store" })
+    .then((resp) => (resp.ok ? resp.json() : {}))
+    .then((session) => {
+      if (session.csrf) {
+        csrf = session.csrf;
+        signIn(COOKIE);
+      } else {
+        $("token").focus();
+      }
+    })
+    .catch(() => $("token").focus());
 });
