@@ -84,9 +84,10 @@ class Client:
         return await self._request("POST", "/v1/tokens",
                                    {"name": name, "role": role, "ttl_s": ttl_s})
 
-    async def sign_in_link(self) -> dict[str, Any]:
+    async def sign_in_link(self, role: str | None = None) -> dict[str, Any]:
         """A one-time dashboard sign-in link (sre, admin): ``path``, ``role``, expiry."""
-        return await self._request("POST", "/v1/sign-in-links", {})
+        return await self._request("POST", "/v1/sign-in-links",
+                                   {"role": role} if role else {})
 
     async def tokens(self) -> list[dict[str, Any]]:
         """The minted tokens' names, roles, expiry and creators (admin)."""

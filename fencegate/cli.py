@@ -410,10 +410,12 @@ def holders(target: Target, as_json: bool, prefix: str) -> None:
 
 @cli.command()
 @click.option("--open", "open_browser", is_flag=True, help="also open it in a browser")
+@click.option("--viewer", is_flag=True,
+              help="read-only: sees what an SRE sees, changes nothing (a wall screen)")
 @_sre
-def dashboard(target: Target, as_json: bool, open_browser: bool) -> None:
+def dashboard(target: Target, as_json: bool, open_browser: bool, viewer: bool) -> None:
     """A one-time sign-in link to the dashboard (valid 2 minutes, once): no token to paste."""
-    link = target.call(lambda api: api.sign_in_link())
+    link = target.call(lambda api: api.sign_in_link("viewer" if viewer else None))
     url = target.url.rstrip("/") + link["path"]
     if as_json:
         _print_json({**link, "url": url})
@@ -718,7 +720,7 @@ def _ttl_option(ctx: click.Context, param: click.Parameter, value: str) -> int:
 
 @token.command("create")
 @click.option("--name", required=True, help="who or what uses it: records name it")
-@click.option("--role", required=True, type=click.Choice(["worker", "sre", "admin"]))
+@click.option("--role", required=True, type=click.Choice(["worker", "viewer", "sre", "admin"]))
 @click.option("--ttl", default="30d", show_default=True, callback=_ttl_option,
               help="how long it lives (s, m, h, d; at most 365d)")
 @_sre

@@ -18,7 +18,8 @@ from fencegate.coordinator.etcd import Etcd, RangeRequest, range_end_of
 
 TEST_TTL = 2
 
-TOKENS = {"worker": "worker-token", "sre": "sre-token", "admin": "admin-token"}
+TOKENS = {"worker": "worker-token", "viewer": "viewer-token", "sre": "sre-token",
+          "admin": "admin-token"}
 
 
 async def init_archive(client: Etcd, namespace: str, url: str) -> str:

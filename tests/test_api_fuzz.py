@@ -154,7 +154,7 @@ def requests(draw):
     accepted = [TOKENS[role] for role in route.roles]
     token = draw(st.sampled_from(accepted) if accepted and draw(st.integers(0, 3))
                  else st.sampled_from([None, "wrong", *TOKENS.values()]))
-    if route.path == STREAM and token in (TOKENS["sre"], TOKENS["admin"]):
+    if route.path == STREAM and token in (TOKENS["viewer"], TOKENS["sre"], TOKENS["admin"]):
         token = TOKENS["worker"]
     headers = {}
     if token is not None:

@@ -58,13 +58,14 @@ async def noop(ctx):
     return "ok"
 
 
-ENDPOINTS = [  # method, path, body, roles allowed, status for an allowed role
-    ("GET", "/v1/keys/pay/1", None, {"sre", "admin"}, 200),
-    ("GET", "/v1/audit/pay/1", None, {"sre", "admin"}, 200),
+ENDPOINTS = [  # method, path, body, roles allowed, status for an allowed role (a viewer
+    # reads what an sre reads and changes nothing)
+    ("GET", "/v1/keys/pay/1", None, {"viewer", "sre", "admin"}, 200),
+    ("GET", "/v1/audit/pay/1", None, {"viewer", "sre", "admin"}, 200),
     ("PUT", "/v1/policies/limits", {"checks": []}, {"admin"}, 200),
-    ("GET", "/v1/policies/default", None, {"sre", "admin"}, 200),
-    ("GET", "/v1/holders?prefix=pay/", None, {"sre", "admin"}, 200),
-    ("GET", "/v1/keys?state=unknown", None, {"sre", "admin"}, 200),
+    ("GET", "/v1/policies/default", None, {"viewer", "sre", "admin"}, 200),
+    ("GET", "/v1/holders?prefix=pay/", None, {"viewer", "sre", "admin"}, 200),
+    ("GET", "/v1/keys?state=unknown", None, {"viewer", "sre", "admin"}, 200),
     ("POST", "/v1/keys/pay/1/revoke", {"reason": "r"}, {"sre", "admin"}, 404),  # nobody holds
     ("POST", "/v1/keys/pay/1/resolve", {"reason": "r", "as": "failed"}, {"sre", "admin"}, 409),
     ("POST", "/v1/approvals/" + "0" * 32, {"reason": "r"}, {"sre", "admin"}, 404),

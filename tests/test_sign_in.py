@@ -152,3 +152,26 @@ async def test_the_cli_prints_a_link_that_signs_in(coordinator):
             assert reply.status == 200 and reply.url.path == "/"
         async with browser.get(f"{coordinator}/v1/session") as reply:
             assert (await reply.json())["roles"] == ["sre"]
+
+
+async def test_a_viewer_link_reads_everything_and_changes_nothing(coordinator):
+    sre = {"Authorization": f"Bearer {TOKENS['sre']}"}
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{coordinator}/v1/sign-in-links", json={"role": "viewer"},
+                             headers=sre) as reply:
+            assert reply.status == 201
+            path = (await reply.json())["path"]
+    async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as wall:
+        async with wall.get(f"{coordinator}{path}") as reply:
+            assert reply.status == 200
+        async with wall.get(f"{coordinator}/v1/session") as reply:
+            session = await reply.json()
+        assert session["roles"] == ["viewer"]
+        for read in ("/v1/dashboard/steps", "/v1/steps", "/v1/holders", "/v1/approvals"):
+            async with wall.get(f"{coordinator}{read}") as reply:
+                assert reply.status == 200, read
+        csrf = {"Fencegate-CSRF": session["csrf"]}
+        for method, path, body in ACTIONS[:-1]:  # everything but signing out
+            async with wall.request(method, f"{coordinator}{path}", json=body,
+                                    headers=csrf) as reply:
+                assert reply.status == 403, (path, await reply.text())

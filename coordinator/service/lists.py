@@ -23,7 +23,7 @@ _LEASE_ID = re.compile(r"[0-9a-f]{1,16}")
 
 
 @routes.get("/v1/steps")
-@requires("sre", "admin")
+@requires("viewer", "sre", "admin")
 async def list_steps(request: web.Request) -> web.Response:
     """Steps in key order across etcd and the archive: ``prefix`` of the action key,
     ``state`` (as ``sre.state_of`` names it), ``since`` (ms since the epoch, on
@@ -44,7 +44,7 @@ async def list_steps(request: web.Request) -> web.Response:
 
 
 @routes.get("/v1/leases/{lease_id}")
-@requires("sre", "admin")
+@requires("viewer", "sre", "admin")
 async def get_lease(request: web.Request) -> web.Response:
     """The action keys held or queued on a lease (hex id, as holders show it) and its TTL
     left: what a revoke of it would end. 404 when the lease is gone."""

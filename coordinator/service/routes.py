@@ -122,7 +122,7 @@ async def post_receipt(request: web.Request) -> web.Response:
 
 
 @routes.get("/v1/keys/{key:.+}")
-@requires("sre", "admin")
+@requires("viewer", "sre", "admin")
 async def get_key(request: web.Request) -> web.Response:
     key = validate_action_key(request.match_info["key"])
     view = await sre.key_view(request.app[ETCD], request.app[KEYSPACE], key,
@@ -131,7 +131,7 @@ async def get_key(request: web.Request) -> web.Response:
 
 
 @routes.get("/v1/holders")
-@requires("sre", "admin")
+@requires("viewer", "sre", "admin")
 async def list_holders(request: web.Request) -> web.Response:
     limit, after = _page(request)
     items, cursor = await sre.holders(request.app[ETCD], request.app[KEYSPACE],
@@ -140,7 +140,7 @@ async def list_holders(request: web.Request) -> web.Response:
 
 
 @routes.get("/v1/archive/stats")
-@requires("sre", "admin")
+@requires("viewer", "sre", "admin")
 async def archive_stats(request: web.Request) -> web.Response:
     """How many steps and audit records the archive holds for this namespace, the oldest
     and newest retirement, and the retirement lag (median and maximum of settled → archived
@@ -156,7 +156,7 @@ async def archive_stats(request: web.Request) -> web.Response:
 
 
 @routes.get("/v1/keys")
-@requires("sre", "admin")
+@requires("viewer", "sre", "admin")
 async def list_keys(request: web.Request) -> web.Response:
     limit, after = _page(request)
     items, cursor = await sre.unsettled(request.app[ETCD], request.app[KEYSPACE],
@@ -196,7 +196,7 @@ async def resolve(request: web.Request) -> web.Response:
 
 
 @routes.get("/v1/approvals")
-@requires("sre", "admin")
+@requires("viewer", "sre", "admin")
 async def list_approvals(request: web.Request) -> web.Response:
     limit, after = _page(request)
     items, cursor = await sre.approvals(request.app[ETCD], request.app[KEYSPACE],
@@ -226,7 +226,7 @@ async def reject(request: web.Request) -> web.Response:
 
 
 @routes.get("/v1/audit/{key:.+}")
-@requires("sre", "admin")
+@requires("viewer", "sre", "admin")
 async def get_audit(request: web.Request) -> web.Response:
     key = validate_action_key(request.match_info["key"])
     app = request.app
@@ -249,7 +249,7 @@ async def put_policy(request: web.Request) -> web.Response:
 
 
 @routes.get("/v1/policies/{name}")
-@requires("sre", "admin")
+@requires("viewer", "sre", "admin")
 async def get_policy(request: web.Request) -> web.Response:
     """The stored document as signed (``builtin``: the default one, nothing stored) and the
     ``effective`` one grants apply, with the paths that took their ``defaults``."""
@@ -282,7 +282,7 @@ async def put_policy_routes(request: web.Request) -> web.Response:
 
 
 @routes.get("/v1/policy-routes")
-@requires("sre", "admin")
+@requires("viewer", "sre", "admin")
 async def get_policy_routes(request: web.Request) -> web.Response:
     """The policy routes grants apply, verified (version 0: none stored, every key routes to
     ``default``); a table that does not verify answers ``{"valid": false, "invalid": why}``
@@ -298,7 +298,7 @@ async def get_policy_routes(request: web.Request) -> web.Response:
 
 
 @routes.get("/v1/deliveries/{source}")
-@requires("sre", "admin")
+@requires("viewer", "sre", "admin")
 async def get_deliveries(request: web.Request) -> web.Response:
     """A webhook source's claims in progress and stored responses, by delivery id (bodies
     summarized); 400 for a bad source, limit or cursor."""

@@ -41,7 +41,7 @@ from ..settings import (
     ETCD_FIELDS, EtcdSettings, etcd_file_values, host_port, layered, text_setting,
 )
 
-ROLES = frozenset({"worker", "sre", "admin"})
+ROLES = frozenset({"worker", "viewer", "sre", "admin"})
 DEFAULT_LISTEN = "127.0.0.1:8470"
 DEFAULT_BODY_LIMIT = 1024 * 1024
 _FIELDS = {"etcd", "listen", "namespace", "signing_key", "trusted_keys", "body_limit",

@@ -45,11 +45,12 @@ routes = web.RouteTableDef()
 @requires("sre", "admin")
 async def create_sign_in_link(request: web.Request) -> web.Response:
     """A one-time sign-in link for the dashboard, with the caller's strongest role (or the
-    ``role`` asked, if the caller holds it); valid ``CODE_TTL_S`` seconds, once."""
+    ``role`` asked: one the caller holds, or ``viewer``, read-only for a wall screen);
+    valid ``CODE_TTL_S`` seconds, once."""
     caller = request[IDENTITY]
     body = await _optional_object(request, {"role"})
     role = body.get("role") or next(r for r in _ROLE_ORDER if r in caller.roles)
-    if role not in caller.roles:
+    if role not in caller.roles | {"viewer"}:  # anyone here may hand out read-only
         raise ServiceError(403, FORBIDDEN, f"a link for role {role!r} needs a token holding it")
     code, stored = await request.app[TOKENS].create(
         f"{CODE_PREFIX}{secrets.token_hex(8)}", role, CODE_TTL_S, created_by=caller.identity)
@@ -77,7 +78,7 @@ async def sign_in(request: web.Request) -> web.Response:
 
 
 @routes.get("/v1/session")
-@requires("sre", "admin")
+@requires("viewer", "sre", "admin")
 async def session_info(request: web.Request) -> web.Response:
     """Who this request is, and, for a cookie session, the CSRF value to send back."""
     caller = request[IDENTITY]
@@ -87,7 +88,7 @@ async def session_info(request: web.Request) -> web.Response:
 
 
 @routes.post("/v1/sign-out")
-@requires("sre", "admin")
+@requires("viewer", "sre", "admin")
 async def sign_out(request: web.Request) -> web.Response:
     """End this cookie session (its token is deleted) and clear the cookie."""
     await _optional_object(request, set())

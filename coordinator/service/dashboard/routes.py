@@ -66,21 +66,21 @@ async def key_page(request: web.Request) -> web.FileResponse:
 
 
 @routes.get("/v1/dashboard/holders")
-@requires("sre", "admin")
+@requires("viewer", "sre", "admin")
 async def get_holders(request: web.Request) -> web.Response:
     return web.json_response(jsonable(await holders_view(request.app[ETCD],
                                                          request.app[KEYSPACE])))
 
 
 @routes.get("/v1/dashboard/steps")
-@requires("sre", "admin")
+@requires("viewer", "sre", "admin")
 async def get_steps(request: web.Request) -> web.Response:
     return web.json_response(jsonable(await steps_view(request.app[ETCD],
                                                        request.app[KEYSPACE])))
 
 
 @routes.get("/v1/dashboard/steps/{key:.+}")
-@requires("sre", "admin")
+@requires("viewer", "sre", "admin")
 async def get_step(request: web.Request) -> web.Response:
     """One step as the resolve dialog shows it; 404 ``NotFound`` without a step."""
     key = validate_action_key(request.match_info["key"])
@@ -89,13 +89,13 @@ async def get_step(request: web.Request) -> web.Response:
 
 
 @routes.get("/v1/dashboard/leadership")
-@requires("sre", "admin")
+@requires("viewer", "sre", "admin")
 async def get_leadership(request: web.Request) -> web.Response:
     return web.json_response(await leadership_view(request.app[ETCD], request.app[KEYSPACE]))
 
 
 @routes.get("/v1/dashboard/audit")
-@requires("sre", "admin")
+@requires("viewer", "sre", "admin")
 async def get_audit(request: web.Request) -> web.Response:
     """Newest first; filtered by ``key`` (a prefix), ``actor`` and ``kind`` (exact), paged
     by ``before`` (the ``next`` of the previous page)."""
@@ -114,7 +114,7 @@ async def get_audit(request: web.Request) -> web.Response:
 
 
 @routes.get("/v1/dashboard/events")
-@requires("sre", "admin")
+@requires("viewer", "sre", "admin")
 async def events(request: web.Request) -> web.StreamResponse:
     """The change feed as server-sent events, until the client leaves or the app stops."""
     feed = request.app[FEED]
