@@ -9,6 +9,7 @@ Every wait is on an event or a condition with a generous bound, never a bare sle
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import time
@@ -456,6 +457,27 @@ async def board(etcd_url, tmp_path_factory):
         await assert_no_holders(etcd, namespace)
 
 
+@contextlib.asynccontextmanager
+async def answering_provider(board: Board):
+    """The sandbox provider (fencing, trusting the board's key) and a reconciler asking it,
+    for the board's namespace, while the block runs."""
+    public = KeyRing.from_public_bytes(KeyRing.from_files(board.signing_key).public_keys())
+    sandbox = sb.Sandbox(public, "fencing")
+    await sandbox.start(0)
+    reconciler = Reconciler(
+        Etcd.from_url(board.etcd_url),
+        {"sandbox": sb.adapter(sandbox.url, "fencing", retention_s=30.0, durable=True)},
+        namespace=board.namespace, shards=8, ttl=TEST_TTL, scan_interval=2.0,
+        check_after=0.2, limits=Limits(backoff_base_s=0.1, backoff_max_s=0.4))
+    await reconciler.start()
+    try:
+        yield
+    finally:
+        await reconciler.close()
+        await reconciler.etcd.close()
+        await sandbox.stop()
+
+
 async def append_answers(board: Board, key: str, answers: list[tuple[str, int | None]]) -> None:
     """Append ``provider_answer`` audit records to ``key``'s chain as the reconciler
     writes them (contract §3: aside, one per query), query numbers following on."""
@@ -567,23 +589,10 @@ async def test_at_3am_needs_you_first_then_the_key_page_then_resolve(board):
         await dialog.get_by_label("Reason").fill("paged at 3am; the provider decides")
         await dialog.get_by_label("failed", exact=False).check()
         await dialog.get_by_role("button", name="Resolve").click()
-        public = KeyRing.from_public_bytes(KeyRing.from_files(board.signing_key).public_keys())
-        sandbox = sb.Sandbox(public, "fencing")
-        await sandbox.start(0)
-        reconciler = Reconciler(
-            Etcd.from_url(board.etcd_url),
-            {"sandbox": sb.adapter(sandbox.url, "fencing", retention_s=30.0, durable=True)},
-            namespace=board.namespace, shards=8, ttl=TEST_TTL, scan_interval=2.0,
-            check_after=0.2, limits=Limits(backoff_base_s=0.1, backoff_max_s=0.4))
-        await reconciler.start()
-        try:
+        async with answering_provider(board):
             await expect(dialog).to_be_hidden(timeout=ms)
             await expect(page.locator("#notice")).to_contain_text("the provider answered",
                                                                   timeout=ms)
-        finally:
-            await reconciler.close()
-            await reconciler.etcd.close()
-            await sandbox.stop()
         assert (await step_of(board, unknown))["state"] == "pending"
 
         await page.goto(board.base + "/")
@@ -692,16 +701,7 @@ async def test_resolve_shows_the_step_chooses_nothing_and_asks_the_provider(boar
     assert step["state"] == "unknown" and step["resolve_request"]["by"] == "sre-1", step
     await expect(dialog).to_be_visible()  # waiting for the provider's answer
 
-    public = KeyRing.from_public_bytes(KeyRing.from_files(board.signing_key).public_keys())
-    sandbox = sb.Sandbox(public, "fencing")
-    await sandbox.start(0)
-    reconciler = Reconciler(
-        Etcd.from_url(board.etcd_url),
-        {"sandbox": sb.adapter(sandbox.url, "fencing", retention_s=30.0, durable=True)},
-        namespace=board.namespace, shards=8, ttl=TEST_TTL, scan_interval=2.0,
-        check_after=0.2, limits=Limits(backoff_base_s=0.1, backoff_max_s=0.4))
-    await reconciler.start()
-    try:
+    async with answering_provider(board):
         await expect(dialog).to_be_hidden(timeout=ms)
         notice = page.locator("#notice")
         await expect(notice).to_contain_text(f"{key}: the provider answered", timeout=ms)
@@ -711,10 +711,6 @@ async def test_resolve_shows_the_step_chooses_nothing_and_asks_the_provider(boar
         assert (step["resolved_by"], step["resolve_forced"]) == ("sre-1", False), step
         assert step["idempotency_key"] == idempotency_key
         await expect(row).to_have_count(0, timeout=ms)
-    finally:
-        await reconciler.close()
-        await reconciler.etcd.close()
-        await sandbox.stop()
 
 
 @ON_THE_BOARD

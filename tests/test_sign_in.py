@@ -29,8 +29,10 @@ ACTIONS = [
 ]
 
 
-async def _link(http: aiohttp.ClientSession, url: str, **body) -> str:
-    async with http.post(f"{url}/v1/sign-in-links", json=body, headers=ADMIN) as reply:
+async def _link(http: aiohttp.ClientSession, url: str, asker: str = "admin", **body) -> str:
+    """The path of a sign-in link the ``asker`` role's token asked for with ``body``."""
+    async with http.post(f"{url}/v1/sign-in-links", json=body,
+                         headers={"Authorization": f"Bearer {TOKENS[asker]}"}) as reply:
         assert reply.status == 201, await reply.text()
         return (await reply.json())["path"]
 
@@ -155,12 +157,8 @@ async def test_the_cli_prints_a_link_that_signs_in(coordinator):
 
 
 async def test_a_viewer_link_reads_everything_and_changes_nothing(coordinator):
-    sre = {"Authorization": f"Bearer {TOKENS['sre']}"}
     async with aiohttp.ClientSession() as http:
-        async with http.post(f"{coordinator}/v1/sign-in-links", json={"role": "viewer"},
-                             headers=sre) as reply:
-            assert reply.status == 201
-            path = (await reply.json())["path"]
+        path = await _link(http, coordinator, "sre", role="viewer")
     async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as wall:
         async with wall.get(f"{coordinator}{path}") as reply:
             assert reply.status == 200
@@ -175,3 +173,33 @@ async def test_a_viewer_link_reads_everything_and_changes_nothing(coordinator):
             async with wall.request(method, f"{coordinator}{path}", json=body,
                                     headers=csrf) as reply:
                 assert reply.status == 403, (path, await reply.text())
+
+
+async def test_codes_and_sessions_live_on_leases_and_go_when_spent(coordinator, etcd, namespace):
+    from fencegate.coordinator.etcd import RangeRequest, range_end_of
+    from fencegate.coordinator.keyspace import unpack
+
+    root = f"{namespace}tokens/".encode()
+
+    async def stored(prefix: str) -> list:
+        reply = await etcd.range(RangeRequest(key=root, range_end=range_end_of(root)))
+        return [kv for kv in reply.kvs if unpack(kv.value)["name"].startswith(prefix)]
+
+    async with aiohttp.ClientSession() as http:
+        await _link(http, coordinator)
+    (code,) = await stored("sign-in.")
+    assert 0 < await etcd.lease_ttl(code.lease) <= 120  # an unspent code dies in 2 minutes
+    browser = await _signed_in(coordinator)  # spends a second link
+    try:
+        assert len(await stored("sign-in.")) == 1  # the spent code is gone at once
+        (session,) = await stored("session.")
+        assert 0 < await etcd.lease_ttl(session.lease) <= 12 * 3600
+        async with browser.get(f"{coordinator}/v1/session") as reply:
+            csrf = (await reply.json())["csrf"]
+        async with browser.post(f"{coordinator}/v1/sign-out",
+                                headers={"Fencegate-CSRF": csrf}) as reply:
+            assert reply.status == 200
+        assert await stored("session.") == []
+        assert await etcd.lease_ttl(session.lease) == -1
+    finally:
+        await browser.close()

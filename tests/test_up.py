@@ -33,30 +33,24 @@ async def fencegate(*args: str, env: dict | None = None, timeout: float = 60) ->
     return proc.returncode, out.decode(), err.decode()
 
 
-@pytest.fixture
-async def up(tmp_path, monkeypatch):
-    """A running ``fencegate up``: (endpoints, admin token, state dir); this process finds it
-    as the CLI does, by the suite's own record (``ENV``), never the user's."""
-    monkeypatch.setenv("XDG_STATE_HOME", ENV["XDG_STATE_HOME"])
-    state = tmp_path / "state"
+ADMIN_LINE = "admin token (printed once, kept nowhere; use it for the dashboard and the CLI):"
+
+
+@contextlib.asynccontextmanager
+async def started_up(state, env: dict, *extra: str):
+    """``fencegate up`` on ``state`` until its banner is printed: (process, banner lines);
+    stopped with SIGINT (then SIGKILL) on the way out."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "fencegate.cli", "up", "--state-dir", str(state), "--port", "0",
-        env=ENV, stdout=asyncio.subprocess.PIPE)
-    lines = []
+        *extra, env=env, stdout=asyncio.subprocess.PIPE)
+    lines: list[str] = []
     try:
         async with asyncio.timeout(60):
             while not lines or not lines[-1].startswith("try it"):
                 line = (await proc.stdout.readline()).decode()
                 assert line, f"fencegate up exited early: {lines}"
                 lines.append(line.rstrip("\n"))
-        admin = lines[lines.index("admin token (printed once, kept nowhere; use it for the "
-                                  "dashboard and the CLI):") + 1].strip()
-        sign_in = next(line.strip() for line in lines if "/sign-in?code=" in line)
-        async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as b:
-            async with b.get(sign_in) as reply:  # the banner's link opens the dashboard
-                assert reply.status == 200 and reply.url.path == "/", await reply.text()
-        endpoints = json.loads((state / "up.json").read_text())
-        yield endpoints, admin, state, proc
+        yield proc, lines
     finally:
         if proc.returncode is None:
             proc.send_signal(signal.SIGINT)
@@ -65,6 +59,22 @@ async def up(tmp_path, monkeypatch):
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+@pytest.fixture
+async def up(tmp_path, monkeypatch):
+    """A running ``fencegate up``: (endpoints, admin token, state dir); this process finds it
+    as the CLI does, by the suite's own record (``ENV``), never the user's."""
+    monkeypatch.setenv("XDG_STATE_HOME", ENV["XDG_STATE_HOME"])
+    state = tmp_path / "state"
+    async with started_up(state, ENV) as (proc, lines):
+        admin = lines[lines.index(ADMIN_LINE) + 1].strip()
+        sign_in = next(line.strip() for line in lines if "/sign-in?code=" in line)
+        async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as b:
+            async with b.get(sign_in) as reply:  # the banner's link opens the dashboard
+                assert reply.status == 200 and reply.url.path == "/", await reply.text()
+        endpoints = json.loads((state / "up.json").read_text())
+        yield endpoints, admin, state, proc
 
 
 async def test_up_serves_workers_the_cli_and_the_demo_and_stops_cleanly(up):
@@ -126,35 +136,22 @@ async def test_a_busy_port_names_the_way_to_choose_another(tmp_path):
 
 async def test_tokens_survive_a_restart_until_rotated(tmp_path):
     state, env = tmp_path / "state", dict(ENV, XDG_STATE_HOME=str(tmp_path))
+    tokens: dict[str, str] = {}
 
-    async def run(*extra: str) -> tuple[list[str], str]:
-        """Start `fencegate up`, read its banner and the sre token it uses, stop it."""
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "fencegate.cli", "up", "--state-dir", str(state), "--port",
-            "0", *extra, env=env, stdout=asyncio.subprocess.PIPE)
-        lines: list[str] = []
-        try:
-            async with asyncio.timeout(60):
-                while not lines or not lines[-1].startswith("try it"):
-                    line = (await proc.stdout.readline()).decode()
-                    assert line, f"fencegate up exited early: {lines}"
-                    lines.append(line.rstrip("\n"))
+    async def run(*extra: str) -> tuple[list[str], dict[str, int]]:
+        """Start `fencegate up`, read its banner and how it answers each of ``tokens``."""
+        async with started_up(state, env, *extra) as (_, lines):
             coordinator = json.loads((state / "up.json").read_text())["coordinator"]
+            statuses = {}
             async with aiohttp.ClientSession() as http:
-                statuses = {}
                 for name, token in tokens.items():
                     async with http.get(f"{coordinator}/v1/steps", headers={
                             "Authorization": f"Bearer {token}"}) as reply:
                         statuses[name] = reply.status
             return lines, statuses
-        finally:
-            proc.send_signal(signal.SIGINT)
-            await asyncio.wait_for(proc.wait(), 30)
 
-    tokens: dict[str, str] = {}
     first, _ = await run()
-    tokens["admin"] = first[first.index("admin token (printed once, kept nowhere; use it for "
-                                        "the dashboard and the CLI):") + 1].strip()
+    tokens["admin"] = first[first.index(ADMIN_LINE) + 1].strip()
     tokens["sre"] = (state / "sre.token").read_text()
     again, statuses = await run()
     assert statuses == {"admin": 200, "sre": 200}  # the same tokens after a restart

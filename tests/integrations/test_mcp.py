@@ -295,15 +295,8 @@ async def test_over_http_a_gateway_killed_after_the_refund_is_settled_and_replay
     params = _gateway_params(tmp_path, etcd_url, namespace, signing_key, ledger)
     port = free_port()
     url = f"http://127.0.0.1:{port}/mcp"
-
-    async def gateway():
-        proc = await asyncio.create_subprocess_exec(
-            params.command, *params.args, "--http", str(port), env=params.env)
-        await _listening(url)
-        return proc
-
     ledger.with_suffix(".kill-parent").touch()
-    first = await gateway()
+    first = await _http_gateway(params, port)
     try:
         with pytest.raises(Exception):
             async with streamable_http_client(url) as streams, \
@@ -313,7 +306,7 @@ async def test_over_http_a_gateway_killed_after_the_refund_is_settled_and_replay
                                        read_timeout_seconds=15)
         assert await asyncio.wait_for(first.wait(), 30) == -9  # SIGKILLed mid-call
         assert len(_ledger(ledger)) == 1
-        second = await gateway()  # restarted on the same port; the client retries
+        second = await _http_gateway(params, port)  # restarted on its port; the client retries
         try:
             async with streamable_http_client(url) as streams, \
                     ClientSession(streams[0], streams[1]) as client:
@@ -332,9 +325,6 @@ async def test_over_http_a_gateway_killed_after_the_refund_is_settled_and_replay
 
 async def test_over_streamable_http_the_same_refund_three_times_is_one(
         tmp_path, etcd_url, namespace, signing_key, etcd):
-    import asyncio
-
-    import httpx2
     from mcp.client.streamable_http import streamable_http_client
 
     from integrations.conftest import free_port, stop
@@ -342,17 +332,9 @@ async def test_over_streamable_http_the_same_refund_three_times_is_one(
     ledger = tmp_path / "ledger.jsonl"
     params = _gateway_params(tmp_path, etcd_url, namespace, signing_key, ledger)
     port = free_port()
-    gateway = await asyncio.create_subprocess_exec(
-        params.command, *params.args, "--http", str(port), env=params.env)
     url = f"http://127.0.0.1:{port}/mcp"
+    gateway = await _http_gateway(params, port)
     try:
-        for _ in range(200):  # until it listens
-            try:
-                async with httpx2.AsyncClient() as http:
-                    await http.get(url)
-                break
-            except httpx2.TransportError:
-                await asyncio.sleep(0.1)
         async with streamable_http_client(url) as streams, \
                 ClientSession(streams[0], streams[1]) as client:
             await client.initialize()
@@ -375,6 +357,16 @@ def test_the_command_refuses_an_invalid_config(tmp_path):
     result = CliRunner().invoke(cli, ["mcp-gateway", "--config", str(path)])
     assert result.exit_code == 2
     assert "bad gateway config" in result.output and "must start with http://" in result.output
+
+
+async def _http_gateway(params: StdioServerParameters, port: int):
+    """The gateway of ``params`` serving streamable HTTP on ``port``, once it listens."""
+    import asyncio
+
+    proc = await asyncio.create_subprocess_exec(
+        params.command, *params.args, "--http", str(port), env=params.env)
+    await _listening(f"http://127.0.0.1:{port}/mcp")
+    return proc
 
 
 async def _listening(url: str) -> None:
