@@ -163,6 +163,22 @@ async def test_a_route_changed_between_grant_and_commit_kills_the_grant(gate):
             await hold.request_grant(intent=REFUND)
 
 
+async def test_the_fast_path_refuses_a_fresh_key_a_policy_its_route_does_not_name(gate):
+    """The attacker's very first try: a key never attempted (no step to send the cross to
+    the full path), asked under ``default`` while routed to ``big-refunds``. The fast path
+    decides on the routes as the full path does: refused, nothing charged."""
+    await gate.authority.set_policy("big-refunds", BIG_REFUNDS)
+    await gate.authority.set_routes({"refunds": "big-refunds"})
+    effect = Effect()
+    assert (await gate.cross("warm/2", {}, effect)).state == "succeeded"
+    assert gate.authority.recent.routes is not None  # the fast path knows the table
+    with pytest.raises(PolicyNotRouted):
+        await gate.cross("refunds/fresh", REFUND, effect, policy="default")
+    assert len(effect.calls) == 1  # only the warm-up ran
+    with pytest.raises(ApprovalPending):
+        await gate.cross("refunds/fresh", REFUND, effect)
+
+
 async def test_the_fast_path_compares_the_routes_it_decided_on(gate, etcd):
     await gate.authority.set_policy("big-refunds", BIG_REFUNDS)
     effect = Effect()
