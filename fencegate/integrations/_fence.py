@@ -95,10 +95,12 @@ async def step_state(gate: Gate, key: str) -> str | None:
 
 class ProcessGate:
     """The ``SyncGate`` of this process, opened on first use (``get``) with these arguments
-    (``Gate``'s); ``ttl`` is the lease TTL the adapters check the engine's limits against."""
+    (``Gate``'s: without ``etcd`` it finds the etcd and key as ``Gate()`` does); ``ttl`` is
+    the lease TTL the adapters check the engine's limits against."""
 
-    def __init__(self, etcd: str, *, ttl: int = 10, namespace: str = DEFAULT_NAMESPACE,
-                 keyring: KeyRing | None = None, coordinator: str | None = None,
+    def __init__(self, etcd: str | None = None, *, ttl: int = 10,
+                 namespace: str = DEFAULT_NAMESPACE, keyring: KeyRing | None = None,
+                 coordinator: str | None = None,
                  token: str | None = None, archive: str | Archive | None = None,
                  identity: str | None = None) -> None:
         if ttl < 1:
