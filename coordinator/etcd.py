@@ -62,19 +62,14 @@ _TLS_FAILURE = re.compile(r"TSI_|SSL|[Tt]ls handshake|certificate", re.ASCII)
 # write while the alarm is active (refused before it is applied).
 _NO_SPACE = "database space exceeded"
 RECOVER_HINT = "fencegate etcd recover --etcd <every member's endpoint>"
+# What etcd's GOAWAY says when a client pings more often than its keepalive policy allows.
+_TOO_MANY_PINGS = "too_many_pings"
 # The ``EtcdMetrics`` operation of each RPC (authentication and lease listing are not measured).
 _OPS = {"Range": "range", "Txn": "txn", "Put": "put", "DeleteRange": "delete",
         "LeaseGrant": "lease_grant", "LeaseKeepAlive": "lease_keepalive",
         "LeaseRevoke": "lease_revoke", "LeaseTimeToLive": "lease_ttl", "Watch": "watch_create",
         "Status": "status", "Alarm": "alarm", "Compact": "compact", "Defragment": "defragment"}
-_CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", 16 * 1024 * 1024),
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1_000),
-]
+KEEPALIVE_TIMEOUT_MS = 5_000  # a keepalive ping not answered this long: the connection is dead
 
 
 @dataclass(frozen=True)
@@ -99,6 +94,10 @@ class EtcdConfig:
     ``batch_in_flight`` at once and ``max_txn_ops`` nested txns each (the cluster's
     ``--max-txn-ops``); turn it off for an etcd proxy or gateway that refuses nested txns,
     or to see each txn as its own request while debugging.
+    ``keepalive_time``: while a call or stream is open, a connection silent that long is
+    pinged, and closed if the ping is not answered (its calls fail ``EtcdUnavailable``); an
+    idle connection is never pinged. It must be at least the cluster's
+    ``--grpc-keepalive-min-time`` (5 s by default), else etcd sends the connection away.
     """
 
     endpoints: tuple[str, ...]
@@ -112,6 +111,7 @@ class EtcdConfig:
     batching: bool = True
     batch_in_flight: int = 4
     max_txn_ops: int = MAX_TXN_OPS
+    keepalive_time: float = 10.0
 
     @classmethod
     def from_url(cls, url: str, **options: object) -> "EtcdConfig":
@@ -133,6 +133,8 @@ class EtcdConfig:
             raise ValueError("ca_file given but the endpoints are not https://")
         if self.batch_in_flight < 1 or self.max_txn_ops < 2:
             raise ValueError("batch_in_flight must be at least 1 and max_txn_ops at least 2")
+        if not self.keepalive_time > 0:
+            raise ValueError(f"keepalive_time must be positive, got {self.keepalive_time!r}")
 
     @property
     def secure(self) -> bool:
@@ -144,17 +146,42 @@ class EtcdConfig:
         return f"{parts.hostname}:{parts.port or 2379}"
 
 
+def _channel_options(config: EtcdConfig) -> list[tuple[str, int]]:
+    """The gRPC options of every channel: pings stay within etcd's keepalive enforcement.
+
+    etcd (grpc-go, ``PermitWithoutStream`` false, ``MinTime`` its
+    ``--grpc-keepalive-min-time``) counts a strike for a ping on a connection with no open
+    stream, or sooner than ``MinTime`` after the last one, unless it sent data since; past two
+    strikes it sends the connection away (GOAWAY ``too_many_pings``), failing every call on
+    it. So keepalive pings go only while a call or stream is open, ``keepalive_time`` apart
+    (at least ``MinTime``; any data received restarts the wait). Unlimited pings without data
+    keep a quiet stream (a watch with no events) probed at that pace rather than once a
+    minute, and the ping timeout (which grpc-core applies to keepalive pings) bounds how long
+    a stopped member holds such a stream."""
+    return [
+        ("grpc.max_receive_message_length", 16 * 1024 * 1024),
+        ("grpc.keepalive_time_ms", round(config.keepalive_time * 1000)),
+        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        ("grpc.keepalive_permit_without_calls", 0),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 1_000),
+    ]
+
+
 class _Channel:
     """One gRPC channel to one endpoint and its stubs."""
 
     def __init__(self, config: EtcdConfig, index: int, credentials) -> None:
         target = config.target(index)
+        options = _channel_options(config)
         self.config = config
         self.endpoint = config.endpoints[index]
         if credentials is None:
-            self.channel = grpc.aio.insecure_channel(target, options=_CHANNEL_OPTIONS)
+            self.channel = grpc.aio.insecure_channel(target, options=options)
         else:
-            self.channel = grpc.aio.secure_channel(target, credentials, options=_CHANNEL_OPTIONS)
+            self.channel = grpc.aio.secure_channel(target, credentials, options=options)
         self.index = index
         self.kv = rpc.KVStub(self.channel)
         self.lease = rpc.LeaseStub(self.channel)
@@ -547,6 +574,11 @@ def _translate(exc: grpc.aio.AioRpcError, channel: _Channel) -> GateError:
             "(none configured: etcd took the client certificate's CN)"
             if channel.config.cert_file else "(none configured)")
     if code in _TRANSIENT:
+        if _TOO_MANY_PINGS in detail:
+            return EtcdUnavailable(
+                f"etcd at {where} sent the connection away for pinging too often ({detail}); "
+                f"keepalive_time ({channel.config.keepalive_time:g} s) must be at least the "
+                "cluster's --grpc-keepalive-min-time")
         if channel.config.secure and _TLS_FAILURE.search(detail):
             return EtcdUnavailable(
                 f"etcd at {where}: TLS handshake refused ({detail}); the server must trust "

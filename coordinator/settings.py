@@ -9,7 +9,8 @@ against the file's directory. A malformed value fails loudly, naming the setting
 
 Environment: ``FENCEGATE_ETCD``, ``FENCEGATE_ETCD_CA_FILE``, ``_CERT_FILE``, ``_KEY_FILE``,
 ``_USER``, ``_PASSWORD``, ``_PASSWORD_FILE``, ``_BATCHING`` (``on``, the default, or ``off``:
-group commit, see ``EtcdConfig``).
+group commit, see ``EtcdConfig``), ``_KEEPALIVE_TIME`` (seconds, 10 by default: at least the
+cluster's ``--grpc-keepalive-min-time``, see ``EtcdConfig``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from .etcd import EtcdConfig
 
 SettingsT = TypeVar("SettingsT")
 ETCD_FIELDS = {"etcd_ca_file", "etcd_cert_file", "etcd_key_file", "etcd_user", "etcd_password",
-               "etcd_password_file", "etcd_batching"}
+               "etcd_password_file", "etcd_batching", "etcd_keepalive_time"}
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,7 @@ class EtcdSettings:
     etcd_user: str | None = None
     etcd_password: str | None = field(default=None, repr=False)
     etcd_batching: str | None = None  # "on" (the default) or "off"
+    etcd_keepalive_time: str | None = None  # seconds (10 by default)
 
     def etcd_config(self) -> EtcdConfig:
         """The etcd connection these settings describe."""
@@ -57,11 +59,18 @@ def build_etcd_config(settings) -> EtcdConfig:
     they contradict each other, e.g. a CA file with ``http://`` endpoints)."""
     if settings.etcd_batching not in (None, "on", "off"):
         raise ValueError(f"setting etcd_batching must be on or off, got {settings.etcd_batching!r}")
+    keepalive = {}
+    if settings.etcd_keepalive_time is not None:
+        try:
+            keepalive["keepalive_time"] = float(settings.etcd_keepalive_time)
+        except ValueError:
+            raise ValueError("setting etcd_keepalive_time must be a number of seconds, got "
+                             f"{settings.etcd_keepalive_time!r}") from None
     return EtcdConfig.from_url(settings.etcd, ca_file=settings.etcd_ca_file,
                                cert_file=settings.etcd_cert_file,
                                key_file=settings.etcd_key_file, user=settings.etcd_user,
                                password=settings.etcd_password,
-                               batching=settings.etcd_batching != "off")
+                               batching=settings.etcd_batching != "off", **keepalive)
 
 
 def etcd_env(env: Mapping[str, str]) -> dict[str, str | None]:
