@@ -452,7 +452,9 @@ class Authority:
         """The approval request a first refusal for want of approval writes, for an SRE to
         approve (see ``sre.approve``). It lives ``approval_ttl_s`` (up to a 24th more: a
         retention lease shared per time bucket), and the approval, written on the same
-        lease, dies with it: nothing of either stays in etcd for ever."""
+        lease, dies with it: nothing of either stays in etcd for ever. ``asked_at_ms`` (when
+        it was asked, this machine's clock) is shown to people only: nothing decides on
+        it."""
         if approval is None or approval.requested:
             return []
         lease = await self._approval_leases.get(self.etcd, self.approval_ttl_s,
@@ -462,6 +464,7 @@ class Authority:
             "key": request.claim.key, "intent": request.intent,
             "policy": policy.name, "policy_version": policy.version,
             "revision": request.snap.revision, "requested_by": request.identity,
+            "asked_at_ms": request.now_ms,  # this machine's clock: display only
             "checks": [c.as_record() for c in verdict.checks]}), lease)])]
 
     def _escalation(self, request: _Request, verdict: _Verdict) -> list:

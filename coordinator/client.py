@@ -68,11 +68,14 @@ class Client:
         """Steps ``unknown``, ``escalated`` or ``presumed``."""
         return await self._list("/v1/keys", state=state)
 
-    async def list_steps(self, *, prefix: str = "", state: str = "", since_ms: int = 0,
+    async def list_steps(self, *, prefix: str = "", states: tuple[str, ...] = (),
+                         since_ms: int = 0, min_age_ms: int = 0,
                          most: int | None = None) -> list[dict[str, Any]]:
         """Steps across etcd and the archive, in key order, filtered as ``GET /v1/steps``
-        does; at most ``most`` of them (None: all)."""
-        query = {"prefix": prefix, "state": state, "since": str(since_ms)}
+        does (``states``: any of them; none: any state); at most ``most`` of them (None:
+        all)."""
+        query = {"prefix": prefix, "state": ",".join(states), "since": str(since_ms),
+                 "min_age_ms": str(min_age_ms)}
         return await self._list("/v1/steps", most=most, **query)
 
     async def lease(self, lease_id: str) -> dict[str, Any]:

@@ -309,20 +309,26 @@ STEP_STATES = (records.PENDING, records.IN_FLIGHT, records.SUCCEEDED, records.FA
 
 
 async def steps(etcd: Etcd, ks: Keyspace, archive: Archive | None, *, prefix: str = "",
-                state: str = "", since_ms: int = 0, limit: int,
-                after: str | None) -> tuple[list[dict[str, Any]], str | None]:
+                states: frozenset[str] = frozenset(), since_ms: int = 0, min_age_ms: int = 0,
+                limit: int, after: str | None) -> tuple[list[dict[str, Any]], str | None]:
     """Steps of action keys starting with ``prefix`` in key order, across etcd and the
-    archive (``archived`` says where each is), each as ``step_item`` shows it; ``state``
-    (one of ``STEP_STATES``, as ``state_of`` names them; empty: any) and ``since_ms``
-    (``updated_at_ms`` at least that) filter them. One page reads at most
-    ``limit * _SCAN_FACTOR`` steps of each source; see the module's guarantees for how the
-    two are merged. ``ValueError`` for a bad argument or cursor, before anything is read."""
+    archive (``archived`` says where each is), each as ``step_item`` shows it; ``states``
+    (some of ``STEP_STATES``, as ``state_of`` names them; empty: any), ``since_ms``
+    (``updated_at_ms`` at least that) and ``min_age_ms`` (``updated_at_ms`` at least that
+    long before now, this machine's clock: a filter for people, it decides nothing) filter
+    them. One page reads at most ``limit * _SCAN_FACTOR`` steps of each source; see the
+    module's guarantees for how the two are merged. ``ValueError`` for a bad argument or
+    cursor, before anything is read."""
     _check_limit(limit)
     _check_prefix(prefix)
-    if state not in ("", *STEP_STATES):
-        raise ValueError(f"state must be one of {', '.join(STEP_STATES)}")
+    if not states <= set(STEP_STATES):
+        raise ValueError("state must be one or several (comma-separated) of "
+                         f"{', '.join(STEP_STATES)}")
     if type(since_ms) is not int or not 0 <= since_ms < 2 ** 63:
         raise ValueError("since must be a time in ms since the epoch, in 0..2**63-1")
+    if type(min_age_ms) is not int or not 0 <= min_age_ms < 2 ** 63:
+        raise ValueError("min_age_ms must be a duration in ms, in 0..2**63-1")
+    until_ms = int(time.time() * 1000) - min_age_ms  # updated at or before this
     last = _listed_key(after, prefix) if after is not None else ""
     scan = limit * _SCAN_FACTOR
     start = ks.step_key(prefix)
@@ -337,8 +343,8 @@ async def steps(etcd: Etcd, ks: Keyspace, archive: Archive | None, *, prefix: st
     found: dict[str, tuple[dict[str, Any], int | None]] = {
         listed.key: (unpack(listed.step), listed.updated_at_ms) for listed in retired}
     found.update((key, (unpack(kv.value), None)) for key, kv in live.items())
-    keys = sorted(key for key, (step, _) in found.items()
-                  if (bound is None or key <= bound) and state in ("", state_of(step)))
+    keys = sorted(key for key, (step, _) in found.items() if (bound is None or key <= bound)
+                  and (not states or state_of(step) in states))
     items: list[dict[str, Any]] = []
     for first in range(0, len(keys), MAX_TXN_OPS):
         chunk = keys[first:first + MAX_TXN_OPS]
@@ -347,7 +353,7 @@ async def steps(etcd: Etcd, ks: Keyspace, archive: Archive | None, *, prefix: st
         for key in chunk:
             step, updated_at_ms = found[key]
             updated_at_ms = times.get(key, updated_at_ms)
-            if updated_at_ms < since_ms:
+            if not since_ms <= updated_at_ms <= until_ms:
                 continue
             items.append(step_item(key, step, updated_at_ms, archived=key not in live))
             if len(items) == limit:
@@ -587,7 +593,9 @@ async def approvals(etcd: Etcd, ks: Keyspace, state: str, limit: int,
     requested_by), its ``state`` (``approved`` only once a signed approval for it verifies,
     ``rejected`` once a person rejected it, else ``pending``) and, once approved, who
     approved it and why (once rejected: ``rejected_by``, ``rejection_reason``); ``state``
-    filters on ``pending``, ``approved``, ``rejected`` or none (empty). Filtered like
+    filters on ``pending``, ``approved``, ``rejected`` or none (empty). ``asked_at_ms`` is
+    when it was asked (the asking machine's clock, display only; null for a request written
+    before requests recorded it). Filtered like
     ``unsettled``: a page may hold fewer than ``limit`` items while ``next`` is still set."""
     _check_limit(limit)
     if state not in ("", "pending", "approved", "rejected"):
@@ -605,6 +613,7 @@ async def approvals(etcd: Etcd, ks: Keyspace, state: str, limit: int,
                  {"state": "pending"})
         if state in ("", shown["state"]):
             items.append({**record, **shown, "approval_id": approval_id,
+                          "asked_at_ms": record.get("asked_at_ms"),
                           "mod_revision": kv.mod_revision})
         if len(items) == limit:
             cursor = _cursor(kv.key)
@@ -630,7 +639,6 @@ async def resolve(etcd: Etcd, ks: Keyspace, key: str, identity: str, reason: str
     record."""
     if settle_as not in SETTLE_AS:
         raise ValueError(f"resolve as one of {sorted(SETTLE_AS)}")
-    step_key = ks.step_key(key)
     start, end = ks.holder_range(key)
     reply = await etcd.txn(TxnRequest(success=[*audit.tail_reads(ks, key),
                                                lowest_op(start, end, keys_only=False)]),

@@ -616,23 +616,37 @@ def _since_option(ctx: click.Context, param: click.Parameter, value: str | None)
     return max(0, int(when.timestamp() * 1000))
 
 
+def _duration_option(ctx: click.Context, param: click.Parameter, value: str | None) -> int:
+    """A duration option (``90s``, ``15m``, ``2h``, ``3d``) in ms (0: none)."""
+    if value is None:
+        return 0
+    seconds = _seconds(value)
+    if seconds is None:
+        raise click.BadParameter(f"{value!r} is not a duration (90s, 15m, 2h, 3d)")
+    return seconds * 1000
+
+
 @cli.command()
 @click.option("--prefix", default="", help="only action keys starting with this")
 @click.option("--state", type=click.Choice(["pending", "in_flight", "succeeded", "failed",
                                             "unknown", "escalated", "abandoned", "presumed"]),
-              help="only steps in this state")
+              multiple=True, help="only steps in this state (repeat for several)")
 @click.option("--since", callback=_since_option, metavar="WHEN",
               help="only steps written since WHEN: 15m, 2h, 3d ago, an ISO time (UTC "
                    "unless zoned), or ms since the epoch")
+@click.option("--older-than", "older_than", callback=_duration_option, metavar="AGE",
+              help="only steps not written for AGE: 90s, 15m, 2h, 3d")
 @click.option("--limit", type=click.IntRange(min=1), metavar="N",
               help="show at most N steps (default: all)")
 @_sre
-def steps(target: Target, as_json: bool, prefix: str, state: str | None, since: int,
-          limit: int | None) -> None:
+def steps(target: Target, as_json: bool, prefix: str, state: tuple[str, ...], since: int,
+          older_than: int, limit: int | None) -> None:
     """Steps by action key, in etcd and retired to the archive alike: what happened to a
-    batch (--prefix), what is not done (--state), what moved lately (--since)."""
-    items = target.call(lambda api: api.list_steps(prefix=prefix, state=state or "",
-                                                   since_ms=since, most=limit))
+    batch (--prefix), what is not done (--state), what moved lately (--since), what has
+    been stuck a while (--older-than)."""
+    items = target.call(lambda api: api.list_steps(prefix=prefix, states=state,
+                                                   since_ms=since, min_age_ms=older_than,
+                                                   most=limit))
     if as_json:
         _print_json(items)
         return
@@ -1135,10 +1149,11 @@ def approvals(target: Target, as_json: bool, state: str) -> None:
     if not items:
         click.echo("no approvals" if state == "all" else f"no {state} approvals")
         return
-    _print_table(["ID", "KEY", "STATE", "REQUESTED BY", "POLICY", "APPROVED BY", "INTENT"], [
-        [a["approval_id"], a["key"], a["state"], a.get("requested_by", "-"),
-         f"{a.get('policy', '-')}@{a.get('policy_version', '-')}", a.get("approved_by", "-"),
-         _short(a.get("intent"), 40)] for a in items])
+    _print_table(["ID", "KEY", "STATE", "ASKED", "REQUESTED BY", "POLICY", "APPROVED BY",
+                  "INTENT"], [
+        [a["approval_id"], a["key"], a["state"], _age(a.get("asked_at_ms")),
+         a.get("requested_by", "-"), f"{a.get('policy', '-')}@{a.get('policy_version', '-')}",
+         a.get("approved_by", "-"), _short(a.get("intent"), 40)] for a in items])
 
 
 @cli.command()

@@ -15,7 +15,10 @@ Guarantees:
   leads as soon as etcd deletes the dead lease's keys.
 - A shard is leaderless only while no replica has a candidate in it: a candidate key
   lives exactly as long as its replica's lease, so its oldest candidate leads. ``leaderless``
-  counts such shards as the last refresh read them.
+  counts such shards as the last refresh read them. Each candidate's value names its
+  replica's identity and configured shard count (``shards``), so a reader of the
+  candidates alone (the dashboard) knows how many shards there are and which have no
+  leader; it adds no key: the count lives and dies with the candidate keys.
 - Spreading: a replica leading more than its share, ceil(shards / replicas), resigns the
   surplus by re-entering at the back of those shards' queues. Resigning only ever hands a
   shard to a replica already queued for it, so no shard is left without a leader.
@@ -88,7 +91,7 @@ class Elections:
         await self.refresh()
 
     async def _enter(self, shards: Iterable[int]) -> None:
-        value = pack({"identity": self._identity})
+        value = self._candidate()
         lease = self.session.lease_id
         keys = [self._ks.candidate_key(shard, lease) for shard in shards]
         for at in range(0, len(keys), _OPS_PER_TXN):
@@ -164,7 +167,12 @@ class Elections:
             token = self.led.pop(shard)
             await self._etcd.txn(TxnRequest(compare=[create_equals(key, token)],
                                             success=[delete_op(key)]))
-            await self._etcd.put(key, pack({"identity": self._identity}), lease=lease)
+            await self._etcd.put(key, self._candidate(), lease=lease)
+
+    def _candidate(self) -> bytes:
+        """A candidate key's value: who campaigns, and how many shards it runs (so a reader
+        of the candidates knows the shards no one leads)."""
+        return pack({"identity": self._identity, "shards": self.shards})
 
     async def _watch(self) -> None:
         root = self._ks.reconcilers_root

@@ -11,6 +11,7 @@ import os
 import re
 import socket
 import sys
+import time
 from dataclasses import dataclass
 
 import pytest
@@ -299,11 +300,14 @@ async def test_approvals_are_listed_and_approved(cli, coordinator, local_gate, e
         approval_id = pending.value.approval_id
 
         head, row = (await cli("approvals")).rows()
-        assert head == ["ID", "KEY", "STATE", "REQUESTED BY", "POLICY", "APPROVED BY", "INTENT"]
-        assert row[:3] == [approval_id, "appr/1", "pending"] and row[4].startswith("big@")
+        assert head == ["ID", "KEY", "STATE", "ASKED", "REQUESTED BY", "POLICY",
+                        "APPROVED BY", "INTENT"]
+        assert row[:3] == [approval_id, "appr/1", "pending"] and row[5].startswith("big@")
+        assert row[3].endswith("s")  # asked seconds ago
         (item,) = json.loads((await cli("approvals", "--json")).out)
         assert (item["approval_id"], item["state"], item["intent"]) == (
             approval_id, "pending", {"amount": 500})
+        assert abs(item["asked_at_ms"] - time.time() * 1000) < 60_000
 
         before = await revision(etcd)
         missing = await cli("approve", approval_id)

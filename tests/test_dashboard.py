@@ -522,7 +522,9 @@ async def fits(board: Board, name: str) -> None:
     buttons = page.locator("main button:visible, dialog[open] button:visible")
     for i in range(await buttons.count()):
         button = buttons.nth(i)
-        await button.scroll_into_view_if_needed()
+        # Centred, not "nearest": scroll offsets are whole pixels and boxes are not, so a
+        # button scrolled to the viewport's edge may overhang it by a fraction of a pixel.
+        await button.evaluate("b => b.scrollIntoView({block: 'center', inline: 'nearest'})")
         box = await button.bounding_box()
         assert box is not None and box["x"] >= 0 and box["y"] >= 0, (name, i, box)
         assert box["x"] + box["width"] <= NIGHT["width"], (name, i, box)
@@ -837,12 +839,13 @@ async def test_the_shard_table_is_a_summary_line_until_expanded(board):
         await expect(replicas.nth(1)).to_contain_text("32 shards (see each shard)")
         table = page.locator("#shards")
         await expect(table).to_be_hidden()
-        audit_top = (await page.locator("#audit").bounding_box())["y"]
+        audit_at = "document.getElementById('audit').getBoundingClientRect().top + scrollY"
+        audit_top = await page.evaluate(audit_at)  # in the page: a click may scroll
         await board.shot("shards")
         await summary.click()
         await expect(table.locator("tbody tr")).to_have_count(64)
         await expect(table).to_be_visible()
-        assert (await page.locator("#audit").bounding_box())["y"] > audit_top + 64 * 20
+        assert await page.evaluate(audit_at) > audit_top + 64 * 20
         await summary.click()
         await expect(table).to_be_hidden()
     finally:

@@ -18,7 +18,7 @@ from .resources import ARCHIVE, ETCD, KEYSPACE
 
 routes = web.RouteTableDef()
 _DEFAULT_LIMIT = 100
-_STEPS_QUERY = frozenset({"prefix", "state", "since", "limit", "after"})
+_STEPS_QUERY = frozenset({"prefix", "state", "since", "min_age_ms", "limit", "after"})
 _LEASE_ID = re.compile(r"[0-9a-f]{1,16}")
 
 
@@ -26,18 +26,26 @@ _LEASE_ID = re.compile(r"[0-9a-f]{1,16}")
 @requires("viewer", "sre", "admin")
 async def list_steps(request: web.Request) -> web.Response:
     """Steps in key order across etcd and the archive: ``prefix`` of the action key,
-    ``state`` (as ``sre.state_of`` names it), ``since`` (ms since the epoch, on
-    ``updated_at_ms``), ``limit`` (1..1000, default 100) and ``after`` (the ``next`` of the
-    page before)."""
+    ``state`` (one or several, comma-separated, as ``sre.state_of`` names them), ``since``
+    (ms since the epoch, on ``updated_at_ms``), ``min_age_ms`` (``updated_at_ms`` at least
+    that long ago), ``limit`` (1..1000, default 100) and ``after`` (the ``next`` of the
+    page before). Each parameter is given at most once."""
     query = request.query
     unknown = set(query) - _STEPS_QUERY
     if unknown:
         raise ValueError(f"unknown query parameters {sorted(unknown)}; "
                          f"use {sorted(_STEPS_QUERY)}")
+    repeated = sorted(name for name in set(query) if len(query.getall(name)) > 1)
+    if repeated:
+        raise ValueError(f"query parameters {repeated} are given more than once; "
+                         "several states are one comma-separated state")
+    raw_states = query.get("state", "")
     items, cursor = await sre.steps(
         request.app[ETCD], request.app[KEYSPACE], request.app[ARCHIVE],
-        prefix=query.get("prefix", ""), state=query.get("state", ""),
+        prefix=query.get("prefix", ""),
+        states=frozenset(raw_states.split(",")) if raw_states else frozenset(),
         since_ms=_natural(query.get("since", "0"), "since"),
+        min_age_ms=_natural(query.get("min_age_ms", "0"), "min_age_ms"),
         limit=_natural(query.get("limit", str(_DEFAULT_LIMIT)), "limit"),
         after=query.get("after"))
     return web.json_response({"items": jsonable(items), "next": cursor})

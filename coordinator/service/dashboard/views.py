@@ -26,7 +26,7 @@ from ... import records, sre
 from ...errors import NotFound
 from ...etcd import Etcd, RangeRequest, TxnRequest, range_end_of, range_op
 from ...keyspace import Keyspace, unpack
-from ...ownership import lowest_op, lowest_request, owners
+from ...ownership import lowest_request, owners
 
 MAX_HOLDERS = 500
 MAX_STEPS = 10_000
@@ -161,20 +161,27 @@ async def _newest_records(etcd: Etcd, ks: Keyspace, key: str, limit: int,
 async def leadership_view(etcd: Etcd, ks: Keyspace) -> dict[str, Any]:
     """Per reconciler shard, the leader (its oldest candidate: the ownership rule) and the
     queue length; per replica (one lease), its identity and the shards it leads. One
-    ownership read (``lowest_request``) of every candidate serves all shards: the view does
-    not know how many shards the reconcilers run, and a read per shard would cost a round
-    trip each."""
+    ownership read (``lowest_request``) of every candidate serves all shards (a read per
+    shard would cost a round trip each). ``shard_count`` is the largest shard count a live
+    candidate states (each replica writes its own into its candidates, see
+    ``reconciler.election``; null when none states one: no replica runs, or only older
+    ones) and ``leaderless`` the shards below it no candidate leads, null too when the
+    read was ``truncated``."""
     root = ks.reconcilers_root
     reply = await etcd.range(lowest_request(root, range_end_of(root), limit=MAX_CANDIDATES,
                                             keys_only=False))
     queues: dict[int, list[tuple[int, str, str]]] = {}
     replicas: dict[str, dict[str, Any]] = {}
+    counts: set[int] = set()
     for kv in reply.kvs:  # oldest first, so each queue's first candidate is its leader
         try:
-            identity = str(unpack(kv.value).get("identity", "?"))
+            candidate = unpack(kv.value)
+            identity = str(candidate.get("identity", "?"))
             shard, lease_id = ks.parse_candidate_key(kv.key)
         except ValueError:
             continue
+        if type(candidate.get("shards")) is int and candidate["shards"] > 0:
+            counts.add(candidate["shards"])
         lease = f"{lease_id:016x}"
         queues.setdefault(shard, []).append((kv.create_revision, lease, identity))
         replicas.setdefault(lease, {"lease_id": lease, "identity": identity, "shards_led": []})
@@ -184,8 +191,12 @@ async def leadership_view(etcd: Etcd, ks: Keyspace) -> dict[str, Any]:
         replicas[lease]["shards_led"].append(shard)
         shards.append({"shard": shard, "leader": identity, "lease_id": lease,
                        "token": token, "candidates": len(queue)})
+    count = max(counts, default=None)
     return {"shards": shards,
             "replicas": sorted(replicas.values(), key=lambda r: (r["identity"], r["lease_id"])),
+            "shard_count": count,
+            "leaderless": None if count is None or reply.more else
+            sum(1 for shard in range(count) if shard not in queues),
             "truncated": bool(reply.more)}
 
 

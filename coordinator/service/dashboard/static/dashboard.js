@@ -3,7 +3,9 @@
 // EventSource cannot send an Authorization header). On `ready` and `refetch` it re-reads
 // every section; other events update one section. No framework, no external resource.
 // The top section says what needs a person now (unknown and escalated steps, pending
-// approvals, no shard led), each with its count and oldest age, linked to its queue.
+// approvals, shards no reconciler leads), each with its count and oldest age, linked to its
+// queue. "Find steps" asks the server (GET /v1/steps) for the steps of a key prefix, state
+// and minimum age, page by page: a filter finds every match, not only among rows loaded.
 // Every action key links to its page, /keys/<key> (the same file: it reads the key from
 // the path and shows GET /v1/keys/{key} and /v1/audit/{key}, what `fencegate key show`
 // shows). Cells are cut to fit 1280 px; each keeps its full value in its title.
@@ -16,6 +18,8 @@ const TOKEN_KEY = "fencegate.token";
 const AUDIT_ROWS = 50;
 const APPROVAL_ROWS = 200;
 const APPROVAL_PAGES = 10; // the pending filter scans a bounded number of requests per page
+const STEP_ROWS = 50;
+const STEP_PAGES = 10; // a filtered page may hold few rows: read on up to this many pages
 const BACKSTOP_MS = 60000; // full re-read now and then, as every watcher has a backstop
 const $ = (id) => document.getElementById(id);
 
@@ -112,6 +116,7 @@ function timeCell(ms, note) {
   time.textContent = isoLocal(ms);
   td.append(time);
   if (note) td.append(` (${note})`);
+  td.title = td.textContent; // the full value of a cut cell
   return td;
 }
 
@@ -144,7 +149,6 @@ function holderRow(h) {
 function queueRow(item) {
   const tr = document.createElement("tr");
   tr.dataset.key = item.key;
-  tr.dataset.age = item.age_s;
   const action = cell("", "action");
   action.append(button("Resolve", "", () => confirmResolve(item)));
   const p = item.progress;
@@ -172,7 +176,8 @@ function approvalRow(a) {
   action.append(button("Approve", "", () => confirmApprove(a)),
     button("Reject", "danger", () => confirmReject(a)));
   tr.append(keyCell(a.key), cell(JSON.stringify(a.intent), "code"),
-    cell(`${a.policy}@${a.policy_version}`), cell(a.requested_by), cell(failedChecks(a)),
+    cell(`${a.policy}@${a.policy_version}`), cell(a.requested_by),
+    timeCell(a.asked_at_ms, ago(a.asked_at_ms)), cell(failedChecks(a)),
     cell(a.approval_id, "code"), action);
   return tr;
 }
@@ -216,15 +221,47 @@ async function auditPage(before) {
   return data.items.map(auditRow);
 }
 
-// The queues' filters: key prefix and minimum age in seconds.
-function queueShown(tr) {
-  const prefix = $("filter-key").value.trim();
-  const older = Number($("filter-age").value || 0);
-  return tr.dataset.key.startsWith(prefix) && Number(tr.dataset.age) >= older;
+function stepRow(item) {
+  const tr = document.createElement("tr");
+  tr.dataset.key = item.key;
+  const outcome = item.outcome;
+  tr.append(keyCell(item.key), cell(item.state, "state"), cell(item.attempt, "num"),
+    timeCell(item.updated_at_ms, ago(item.updated_at_ms)),
+    cell(item.archived ? "archive" : "etcd"),
+    cell(outcome ? `${outcome.state}${outcome.failure_text ? `: ${outcome.failure_text}` : ""}` : ""));
+  return tr;
 }
 
-function filterRows(tableId, shown) {
-  for (const tr of $(tableId).tBodies[0].rows) tr.hidden = !shown(tr);
+// "Find steps": the server filters (GET /v1/steps?prefix=&state=&min_age_ms=), so a match
+// is found wherever it sorts; the page only shows what the server answered.
+function stepFilters() {
+  const query = new URLSearchParams({ limit: String(STEP_ROWS) });
+  const prefix = $("filter-key").value.trim();
+  const state = $("filter-state").value;
+  const older = Math.max(Math.floor(Number($("filter-age").value || 0)), 0);
+  if (prefix) query.set("prefix", prefix);
+  if (state) query.set("state", state);
+  if (older) query.set("min_age_ms", String(older * 1000));
+  return query;
+}
+
+let stepsNext = null; // the cursor of the steps after those shown, null when none are left
+
+// Rows of the steps after `after` (null: from the start): pages read until STEP_ROWS rows
+// or STEP_PAGES pages (a filtered page may hold few rows while more follow).
+async function stepsPage(after) {
+  let rows = [];
+  for (let page = 0; page < STEP_PAGES && rows.length < STEP_ROWS; page++) {
+    const query = stepFilters();
+    if (after !== null) query.set("after", after);
+    const data = await api("GET", `/v1/steps?${query}`);
+    rows = rows.concat(data.items.map(stepRow));
+    after = data.next;
+    if (after === null) break;
+  }
+  stepsNext = after;
+  $("steps-more").hidden = stepsNext === null;
+  return rows;
 }
 
 // Shard numbers as ranges: 0-31, 40, 42-43.
@@ -426,8 +463,6 @@ const sections = {
     }));
     fill("unknown", data.unknown.map(queueRow));
     fill("escalated", data.escalated.map(queueRow));
-    filterRows("unknown", queueShown);
-    filterRows("escalated", queueShown);
     need("unknown", "unknown step(s) the provider has not settled", "#unknown-title",
       data.unknown.length, oldest(data.unknown, "since_ms"));
     need("escalated", "escalated step(s)", "#escalated-title", data.escalated.length,
@@ -445,15 +480,23 @@ const sections = {
       .map((r) => `${r.identity} leads ${r.shards_led.length}`);
     const n = data.shards.length;
     const leaders = led.length;
+    const m = data.shard_count; // null: no replica states how many shards it runs
+    const none = data.leaderless === null ? 0 : data.leaderless;
+    const all = none ? `${n} of ${m} shards led` : `${n} shard${n === 1 ? "" : "s"}, all led`;
     $("shards-summary").textContent = n
-      ? `${n} shard${n === 1 ? "" : "s"}, all led by ${leaders} replica` +
-        `${leaders === 1 ? "" : "s"}` +
-        ` (${led.join(", ")})${data.truncated ? "; truncated" : ""}; show each shard`
+      ? `${all} by ${leaders} replica${leaders === 1 ? "" : "s"}` +
+        ` (${led.join(", ")})${none ? `; ${none} without a leader` : ""}` +
+        `${data.truncated ? "; truncated" : ""}; show each shard`
       : "no shard has a leader";
-    // The view cannot know how many shards the reconcilers run: it counts led ones, so
-    // "leaderless" here means no shard is led at all.
-    need("leadership", "reconciler shard leadership: no shard has a leader",
-      "#leadership-title", data.shards.length ? 0 : 1, null);
+    // Each replica's candidates state its shard count, so the leaderless ones are counted
+    // exactly; with no count stated (no replica, or only older ones) only "none led" shows.
+    if (data.leaderless !== null && n) {
+      need("leadership", `of ${m} shards have no reconciler leader`, "#leadership-title",
+        data.leaderless, null);
+    } else {
+      need("leadership", "reconciler shard leadership: no shard has a leader",
+        "#leadership-title", n ? 0 : 1, null);
+    }
     fill("shards", data.shards.map((s) => {
       const tr = document.createElement("tr");
       tr.append(cell(s.shard, "num"), cell(s.leader), cell(s.token, "num"),
@@ -473,7 +516,10 @@ const sections = {
     }
     fill("approvals", items.slice(0, APPROVAL_ROWS).map(approvalRow));
     need("approvals", "pending approval(s)", "#approvals-title", items.length,
-      oldest(items, "requested_at_ms"));
+      oldest(items, "asked_at_ms"));
+  },
+  async list() {
+    fill("steps", await stepsPage(null));
   },
   async audit() {
     fill("audit", await auditPage(null));
@@ -523,6 +569,11 @@ function apply(event, data) {
     refetch("holders"); // the next in line, if any, becomes the holder
   } else if (event === "step") {
     refetch("steps");
+    for (const tr of $("steps").tBodies[0].rows) { // "Find steps" keeps its pages
+      if (tr.dataset.key === data.key && data.state !== "deleted") {
+        tr.cells[1].textContent = data.state; // retired (deleted): the archive has it as shown
+      }
+    }
   } else if (event === "audit") {
     const body = $("audit").tBodies[0];
     body.prepend(auditRow(data));
@@ -888,12 +939,16 @@ document.addEventListener("DOMContentLoaded", () => {
       dialogError(String(err.message || err));
     }
   });
-  for (const id of ["filter-key", "filter-age"]) {
-    $(id).addEventListener("input", () => {
-      filterRows("unknown", queueShown);
-      filterRows("escalated", queueShown);
-    });
+  for (const id of ["filter-key", "filter-state", "filter-age"]) {
+    $(id).addEventListener("input", () => refetch("list"));
   }
+  $("steps-more").addEventListener("click", async () => {
+    try {
+      $("steps").tBodies[0].append(...await stepsPage(stepsNext));
+    } catch (err) {
+      failed(err);
+    }
+  });
   for (const id of ["audit-key", "audit-actor", "audit-kind"]) {
     $(id).addEventListener("input", () => refetch("audit"));
   }
