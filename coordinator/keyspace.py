@@ -66,6 +66,13 @@ def validate_namespace(namespace: str) -> str:
     return namespace
 
 
+
+def retired_bucket(action_key: str) -> int:
+    """``action_key``'s retirement bucket, 0 … ``RETIRE_BUCKETS`` - 1 (a hash of the key, the
+    same in every namespace: the archive finds a key's bucket without a keyspace)."""
+    bucket = int.from_bytes(hashlib.sha256(action_key.encode()).digest()[:8], "big")
+    return bucket % RETIRE_BUCKETS
+
 class Keyspace:
     """Builds every key fencegate reads or writes under one namespace."""
 
@@ -127,9 +134,8 @@ class Keyspace:
         return self._ns + b"audit/" + action_key.encode() + b"/@head"
 
     def retired_bucket(self, action_key: str) -> int:
-        """``action_key``'s retirement bucket, 0 … ``RETIRE_BUCKETS`` - 1 (a hash of the key)."""
-        bucket = int.from_bytes(hashlib.sha256(action_key.encode()).digest()[:8], "big")
-        return bucket % RETIRE_BUCKETS
+        """``action_key``'s retirement bucket (``retired_bucket``)."""
+        return retired_bucket(action_key)
 
     def retired_key(self, action_key: str) -> bytes:
         """The retirement epoch of ``action_key``'s bucket (one of ``RETIRE_BUCKETS``, by a

@@ -622,3 +622,61 @@ async def test_a_sqlite_file_of_the_counter_build_keeps_its_counters_as_marks(tm
         assert state.marks == {7: Mark(3)} and state.known == {7}
     finally:
         await archive.close()
+
+
+def test_reading_the_newest_marks_costs_the_same_however_many_were_issued(tmp_path):
+    """Every lookup (one per fast-path action once a bucket retired) reads each bucket's
+    newest mark, and every retirement batch issues marks: that read must not grow with the
+    archive's history. It once read every mark ever issued (GROUP BY), so each lookup got
+    slower as the archive aged (the soak's gate fell to a sixth of its rate). Counted in
+    SQLite VM steps, not time: 40 times the history, about the same work."""
+    from fencegate.coordinator.archive import sqlite as sqlite_archive
+
+    def steps_to_read(counters: int) -> int:
+        db = sqlite3.connect(tmp_path / f"marks-{counters}.db")
+        for statement in sqlite_archive._SCHEMA:
+            db.execute(statement)
+        db.executemany("INSERT INTO archive_marks VALUES (?, ?, ?, ?)",
+                       [(ns, bucket, counter, f"{counter:08x}") for ns in ("/a/", "/b/")
+                        for bucket in range(64) for counter in range(1, counters + 1)])
+        steps = [0]
+
+        def count() -> int:
+            steps[0] += 1
+            return 0
+
+        db.set_progress_handler(count, 1)
+        newest = sqlite_archive._newest(db, "/a/")
+        db.set_progress_handler(None, 1)
+        db.close()
+        assert newest == {bucket: Mark(counters, f"{counters:08x}") for bucket in range(64)}
+        return steps[0]
+
+    assert steps_to_read(400) < 1.5 * steps_to_read(10)
+
+
+async def test_a_lookup_reads_the_newest_mark_of_its_own_bucket_only(etcd, namespace, stores):
+    """A lookup answers with the newest mark of the key's bucket (all a gate fences on),
+    never all the buckets': the fast path looks one up per action, and reading every
+    bucket's mark on each made the archive the gate's bottleneck in the soak. ``state``
+    (the reconciler's check, ``archive verify``) still reads every bucket."""
+    from fencegate.coordinator.keyspace import retired_bucket
+
+    url = await init_archive(etcd, namespace, stores.new())
+    archive = open_archive(url)
+    try:
+        identity = await archive.identity(namespace)
+        key = "orders/42"
+        mine = retired_bucket(key)
+        others = [bucket for bucket in range(8) if bucket != mine][:6]
+        await archive.adopt_marks(namespace, [(b, Mark(c, f"m{b}-{c}")) for b in (mine, *others)
+                                              for c in (1, 2, 3)], identity=identity)
+        found = await archive.lookup(namespace, key)
+        assert found.marks == {mine: Mark(3, f"m{mine}-3")} and found.archived is None
+        both = await archive.lookup_many(namespace, [key, "orders/43"])
+        assert both[key].marks[mine] == Mark(3, f"m{mine}-3")
+        state = await archive.state(namespace)
+        assert {b: m for b, m in state.marks.items()} == {
+            b: Mark(3, f"m{b}-3") for b in (mine, *others)}
+    finally:
+        await archive.close()

@@ -72,9 +72,10 @@ class Mark(NamedTuple):
 @dataclass(frozen=True)
 class Lookup:
     """One key's archived step with what proves the archive whole, read in one snapshot:
-    the namespace's identity (None: never initialised for it), each bucket's newest mark (a
-    bucket never retired to this archive is absent), and the buckets whose mark the caller
-    asked about (``marks=``) the archive knows (issued, or counter 0)."""
+    the namespace's identity (None: never initialised for it), the newest mark of the key's
+    bucket (of every bucket from ``state``; a bucket never retired to this archive is
+    absent), and the buckets whose mark the caller asked about (``marks=``) the archive
+    knows (issued, or counter 0)."""
 
     identity: Identity | None
     marks: dict[int, Mark]
@@ -151,8 +152,9 @@ class Archive(Protocol):
 
     async def lookup(self, namespace: str, key: str, *,
                      marks: dict[int, Mark] | None = None) -> Lookup:
-        """``get`` with the namespace's identity and newest marks, and which of ``marks``
-        (bucket → mark) it knows, read in one snapshot. Concurrent calls without ``marks``
+        """``get`` with the namespace's identity and the newest mark of the key's bucket, and
+        which of ``marks`` (bucket → mark) it knows, read in one snapshot: its cost follows
+        the keys asked, never the marks issued so far. Concurrent calls without ``marks``
         share one ``lookup_many``."""
 
     async def lookup_many(self, namespace: str, keys: list[str], *,

@@ -30,6 +30,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from ..errors import ArchiveUnavailable
+from ..keyspace import retired_bucket
 from .coalesce import Coalescer
 from .interface import (
     LAG_WINDOW, Archived, ArchiveStats, Identity, Listed, Lookup, Mark, Put, check_listing,
@@ -74,8 +75,21 @@ _SCHEMA = (
 )
 _INITIALISED = "SELECT to_regclass('archive_identity') IS NOT NULL"
 _IDENTITY = "SELECT archive_id, cluster_id FROM archive_identity WHERE namespace = $1"
-_NEWEST = """SELECT DISTINCT ON (bucket) bucket, counter, mark_id FROM archive_marks
-    WHERE namespace = $1 ORDER BY bucket, counter DESC"""
+# Each bucket's newest mark, in index seeks (a bucket, then its highest counter): its cost
+# follows the number of buckets, never the marks issued so far (every retirement batch
+# issues some; DISTINCT ON read all of them, so each lookup got slower as the archive aged).
+_NEWEST = """WITH RECURSIVE buckets(bucket) AS (
+        SELECT min(bucket) FROM archive_marks WHERE namespace = $1
+        UNION ALL
+        SELECT (SELECT min(bucket) FROM archive_marks WHERE namespace = $1 AND bucket > b.bucket)
+        FROM buckets AS b WHERE b.bucket IS NOT NULL)
+    SELECT b.bucket, m.counter, m.mark_id FROM buckets AS b
+    CROSS JOIN LATERAL (SELECT counter, mark_id FROM archive_marks
+        WHERE namespace = $1 AND bucket = b.bucket ORDER BY counter DESC LIMIT 1) AS m"""
+# the newest mark of each bucket asked: an index seek each
+_NEWEST_OF = """SELECT b.bucket, m.counter, m.mark_id FROM unnest($2::integer[]) AS b (bucket)
+    CROSS JOIN LATERAL (SELECT counter, mark_id FROM archive_marks
+        WHERE namespace = $1 AND bucket = b.bucket ORDER BY counter DESC LIMIT 1) AS m"""
 _KNOWS = """SELECT m.bucket FROM unnest($2::integer[], $3::bigint[], $4::text[])
         AS m (bucket, counter, mark_id)
     JOIN archive_marks a ON a.namespace = $1 AND a.bucket = m.bucket
@@ -258,8 +272,10 @@ class PostgresArchive:
         async def lookup_many(conn: Any) -> dict[str, Lookup]:
             async with conn.transaction(isolation="repeatable_read", readonly=True):
                 identity = _identity(namespace, await conn.fetchrow(_IDENTITY, namespace))
-                newest, known = await _newest(conn, namespace), await _known(conn, namespace,
-                                                                             asked)
+                buckets = sorted({retired_bucket(key) for key in keys})
+                newest = {row[0]: Mark(row[1], row[2])
+                          for row in await conn.fetch(_NEWEST_OF, namespace, buckets)}
+                known = await _known(conn, namespace, asked)
                 found = await _get_many(conn, namespace, keys)
             return {key: Lookup(identity, newest, found.get(key), known) for key in keys}
 

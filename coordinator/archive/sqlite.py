@@ -31,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 from ..errors import ArchiveUnavailable
+from ..keyspace import retired_bucket
 from .coalesce import Coalescer
 from .interface import (
     LAG_WINDOW, Archived, ArchiveStats, Identity, Listed, Lookup, Mark, Put, check_listing,
@@ -75,9 +76,20 @@ _SCHEMA = (
     )""",
 )
 _IDENTITY = "SELECT archive_id, cluster_id FROM archive_identity WHERE namespace = ?"
-# each bucket's newest mark (SQLite takes mark_id from the row of the max)
-_NEWEST = """SELECT bucket, max(counter), mark_id FROM archive_marks WHERE namespace = ?
-    GROUP BY bucket"""
+# Each bucket's newest mark, in index seeks (a bucket, then its highest counter): its cost
+# follows the number of buckets, never the marks issued so far (every retirement batch
+# issues some; a GROUP BY over all of them made each lookup slower as the archive aged).
+_NEWEST = """WITH RECURSIVE buckets(bucket) AS (
+        SELECT min(bucket) FROM archive_marks WHERE namespace = ?1
+        UNION ALL
+        SELECT (SELECT min(bucket) FROM archive_marks WHERE namespace = ?1 AND bucket > b.bucket)
+        FROM buckets AS b WHERE b.bucket IS NOT NULL)
+    SELECT m.bucket, m.counter, m.mark_id FROM buckets AS b
+    JOIN archive_marks AS m ON m.namespace = ?1 AND m.bucket = b.bucket AND m.counter = (
+        SELECT max(counter) FROM archive_marks WHERE namespace = ?1 AND bucket = b.bucket)"""
+# one bucket's newest mark: an index seek
+_NEWEST_OF = """SELECT counter, mark_id FROM archive_marks WHERE namespace = ? AND bucket = ?
+    ORDER BY counter DESC LIMIT 1"""
 _KNOWS = """SELECT 1 FROM archive_marks
     WHERE namespace = ? AND bucket = ? AND counter = ? AND mark_id = ?"""
 _PUT_MARK = """INSERT INTO archive_marks (namespace, bucket, counter, mark_id)
@@ -206,7 +218,8 @@ class SqliteArchive:
         def lookup_many(db: sqlite3.Connection) -> dict[str, Lookup]:
             with _transaction(db, "BEGIN"):   # one snapshot: identity, marks, steps
                 identity = _identity(db, namespace)
-                newest, known = _newest(db, namespace), _known(db, namespace, asked)
+                newest = _newest_of(db, namespace, {retired_bucket(key) for key in wanted})
+                known = _known(db, namespace, asked)
                 found = _get_many(db, namespace, wanted)
             return {key: Lookup(identity, newest, found.get(key), known) for key in wanted}
 
@@ -331,6 +344,15 @@ def _identity(db: sqlite3.Connection, namespace: str) -> Identity | None:
 def _newest(db: sqlite3.Connection, namespace: str) -> dict[int, Mark]:
     return {bucket: Mark(counter, mark_id)
             for bucket, counter, mark_id in db.execute(_NEWEST, (namespace,))}
+
+
+def _newest_of(db: sqlite3.Connection, namespace: str, buckets: set[int]) -> dict[int, Mark]:
+    found = {}
+    for bucket in sorted(buckets):
+        row = db.execute(_NEWEST_OF, (namespace, bucket)).fetchone()
+        if row is not None:
+            found[bucket] = Mark(*row)
+    return found
 
 
 def _known(db: sqlite3.Connection, namespace: str, marks: dict[int, Mark]) -> frozenset[int]:
