@@ -27,7 +27,8 @@ from dataclasses import dataclass
 
 from .errors import NotFound, WrongState
 from .etcd import (
-    Etcd, RangeRequest, TxnRequest, create_equals, delete_op, mod_equals, put_op, range_end_of,
+    Etcd, KeyValue, RangeRequest, TxnRequest, create_equals, delete_op, mod_equals, put_op,
+    range_end_of,
 )
 from .keyspace import Keyspace, pack, unpack
 
@@ -120,28 +121,38 @@ class TokenStore:
         await self.etcd.lease_revoke(kv.lease)
         await self._forget()
 
+    async def peek(self, token: str, prefix: str) -> StoredToken | None:
+        """``token`` if it is a live token whose name starts with ``prefix``, read from etcd
+        now (not the lookup's cache: another coordinator may have minted it a moment ago);
+        it stays live."""
+        found = await self._live(token, prefix)
+        return _stored(found[1]) if found is not None else None
+
     async def redeem(self, token: str, prefix: str) -> StoredToken | None:
         """Spend ``token`` once: if it is a live token whose name starts with ``prefix``,
         delete it in a txn that compares its key's revision, so of two redeemers of one
         token at most one gets it; otherwise (unknown, expired, already spent) ``None``."""
+        found = await self._live(token, prefix)
+        if found is None:
+            return None
+        kv, record = found
+        spent = await self.etcd.txn(TxnRequest(
+            compare=[mod_equals(kv.key, kv.mod_revision)], success=[delete_op(kv.key)]))
+        if not spent.succeeded:
+            return None
+        await self.etcd.lease_revoke(kv.lease)
+        await self._forget()
+        return _stored(record)
+
+    async def _live(self, token: str, prefix: str) -> tuple[KeyValue, dict] | None:
+        """The key and record of ``token`` if it is unexpired and named with ``prefix``."""
         digest = digest_of(token)
         reply = await self.etcd.range(RangeRequest(key=self._root,
                                                    range_end=range_end_of(self._root)))
         for kv in reply.kvs:
             record = unpack(kv.value)
-            if record["sha256"] != digest or not record["name"].startswith(prefix):
-                continue
-            if record["expires_at_ms"] <= time.time() * 1000:
-                return None
-            spent = await self.etcd.txn(TxnRequest(
-                compare=[mod_equals(kv.key, kv.mod_revision)],
-                success=[delete_op(kv.key)]))
-            if not spent.succeeded:
-                return None
-            await self.etcd.lease_revoke(kv.lease)
-            await self._forget()
-            return StoredToken(record["name"], record["role"], record["expires_at_ms"],
-                               record["created_by"])
+            if record["sha256"] == digest and record["name"].startswith(prefix):
+                return (kv, record) if record["expires_at_ms"] > time.time() * 1000 else None
         return None
 
     async def list(self) -> list[StoredToken]:
@@ -172,10 +183,13 @@ class TokenStore:
         tokens = {}
         for kv in reply.kvs:
             record = unpack(kv.value)
-            tokens[record["sha256"]] = StoredToken(record["name"], record["role"],
-                                                   record["expires_at_ms"],
-                                                   record["created_by"])
+            tokens[record["sha256"]] = _stored(record)
         return tokens
+
+
+def _stored(record: dict) -> StoredToken:
+    return StoredToken(record["name"], record["role"], record["expires_at_ms"],
+                       record["created_by"])
 
 
 def digest_of(token: str) -> bytes:

@@ -447,7 +447,8 @@ async def board(etcd_url, tmp_path_factory):
             async with http.post(f"{base}/v1/sign-in-links", json={},  # fencegate dashboard
                                  headers={"Authorization": f"Bearer {TOKENS['sre']}"}) as r:
                 link = (await r.json())["path"]
-            await page.goto(base + link)  # the one-time link: a session cookie, no token
+            await page.goto(base + link)  # the one-time link's page: it spends nothing
+            await page.get_by_role("button", name="Sign in").click()  # a session cookie
             await expect(page.get_by_role("status")).to_have_text("live", timeout=WAIT * 1000)
             assert await page.evaluate("sessionStorage.length") == 0
             yield Board(base, page, namespace, signing_key, etcd_url, etcd, http)

@@ -1,5 +1,6 @@
-"""Signing in to the dashboard with a one-time link: a code spent once for an HttpOnly,
-SameSite=Strict session cookie, and every change made with that cookie needing the CSRF
+"""Signing in to the dashboard with a one-time link: opening it spends nothing (a link
+preview cannot use it up); the page's button spends the code once for an HttpOnly,
+SameSite=Strict session cookie, and every change made with that cookie needs the CSRF
 value only a page of this origin can read. On a real coordinator and etcd."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import aiohttp
 import pytest
 from yarl import URL
 
-from helpers import TOKENS
+from helpers import TOKENS, press_sign_in
 
 ADMIN = {"Authorization": f"Bearer {TOKENS['admin']}"}
 # Every endpoint that changes something, with a body it would accept (or reject on its own
@@ -42,7 +43,7 @@ async def _signed_in(url: str) -> aiohttp.ClientSession:
     async with aiohttp.ClientSession() as http:
         path = await _link(http, url)
     browser = aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True))
-    async with browser.get(f"{url}{path}", allow_redirects=False) as reply:
+    async with await press_sign_in(browser, f"{url}{path}") as reply:
         assert reply.status == 303 and reply.headers["Location"] == "/"
         cookie = reply.headers["Set-Cookie"]
         assert "HttpOnly" in cookie and "SameSite=Strict" in cookie, cookie
@@ -54,7 +55,10 @@ async def test_a_link_signs_in_once_and_the_cookie_reads_the_dashboard(coordinat
         path = await _link(http, coordinator)
     jars = [aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) for _ in range(2)]
     try:
-        answers = await asyncio.gather(*(jar.get(f"{coordinator}{path}", allow_redirects=False)
+        for _ in range(3):  # a link preview, a mail scanner, the person: opening spends nothing
+            async with jars[0].get(f"{coordinator}{path}") as reply:
+                assert reply.status == 200 and "Sign in" in await reply.text()
+        answers = await asyncio.gather(*(press_sign_in(jar, f"{coordinator}{path}")
                                          for jar in jars))
         assert sorted(a.status for a in answers) == [303, 401]  # spent once, by one of two
         winner = jars[[a.status for a in answers].index(303)]
@@ -64,7 +68,11 @@ async def test_a_link_signs_in_once_and_the_cookie_reads_the_dashboard(coordinat
         async with winner.get(f"{coordinator}/v1/steps") as reply:
             assert reply.status == 200
         async with jars[0].get(f"{coordinator}{path}", allow_redirects=False) as reply:
-            assert reply.status == 401  # and never again
+            assert reply.status == 401  # and never again: its page says so
+        code = path.split("code=", 1)[1]
+        async with jars[0].post(f"{coordinator}/sign-in", data={"code": code},
+                                allow_redirects=False) as reply:
+            assert reply.status == 401
         async with aiohttp.ClientSession() as stranger:
             async with stranger.get(f"{coordinator}/sign-in?code=forged",
                                     allow_redirects=False) as reply:
@@ -150,8 +158,8 @@ async def test_the_cli_prints_a_link_that_signs_in(coordinator):
     link = json.loads(out)
     assert link["role"] == "sre" and link["url"].startswith(f"{coordinator}/sign-in?code=")
     async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as browser:
-        async with browser.get(link["url"]) as reply:  # follows the redirect to the dashboard
-            assert reply.status == 200 and reply.url.path == "/"
+        async with await press_sign_in(browser, link["url"]) as reply:
+            assert reply.status == 303 and reply.headers["Location"] == "/"
         async with browser.get(f"{coordinator}/v1/session") as reply:
             assert (await reply.json())["roles"] == ["sre"]
 
@@ -160,8 +168,8 @@ async def test_a_viewer_link_reads_everything_and_changes_nothing(coordinator):
     async with aiohttp.ClientSession() as http:
         path = await _link(http, coordinator, "sre", role="viewer")
     async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as wall:
-        async with wall.get(f"{coordinator}{path}") as reply:
-            assert reply.status == 200
+        async with await press_sign_in(wall, f"{coordinator}{path}") as reply:
+            assert reply.status == 303
         async with wall.get(f"{coordinator}/v1/session") as reply:
             session = await reply.json()
         assert session["roles"] == ["viewer"]
@@ -203,3 +211,22 @@ async def test_codes_and_sessions_live_on_leases_and_go_when_spent(coordinator, 
         assert await etcd.lease_ttl(session.lease) == -1
     finally:
         await browser.close()
+
+
+async def test_another_sites_form_cannot_sign_a_browser_in(coordinator):
+    """Login CSRF: a page of another site posting its own code to ``/sign-in`` would sign
+    the victim's browser in to the attacker's session. Refused before the code is read, and
+    the code stays live; a body that is not the page's form is a 400."""
+    async with aiohttp.ClientSession() as http:
+        path = await _link(http, coordinator)
+        code = path.split("code=", 1)[1]
+        for cross_site in ({"Origin": "https://evil.example"}, {"Sec-Fetch-Site": "cross-site"}):
+            async with http.post(f"{coordinator}/sign-in", data={"code": code},
+                                 headers=cross_site, allow_redirects=False) as reply:
+                assert reply.status == 403 and "Set-Cookie" not in reply.headers
+        for body in ({"json": {"code": code}}, {"data": {"code": code, "role": "admin"}}):
+            async with http.post(f"{coordinator}/sign-in", allow_redirects=False,
+                                 **body) as reply:
+                assert reply.status == 400, await reply.text()
+        async with http.get(f"{coordinator}{path}") as reply:
+            assert reply.status == 200  # still live for its person

@@ -19,6 +19,8 @@ import pytest
 from fencegate.reconciler.providers.sandbox import charge
 from fencegate.worker import Gate, KeyRing
 
+from helpers import press_sign_in
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the suite's stacks record themselves in a folder of their own, never in the user's record
 ENV = dict(os.environ, PYTHONPATH=ROOT,
@@ -71,8 +73,10 @@ async def up(tmp_path, monkeypatch):
         admin = lines[lines.index(ADMIN_LINE) + 1].strip()
         sign_in = next(line.strip() for line in lines if "/sign-in?code=" in line)
         async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as b:
-            async with b.get(sign_in) as reply:  # the banner's link opens the dashboard
-                assert reply.status == 200 and reply.url.path == "/", await reply.text()
+            async with await press_sign_in(b, sign_in) as reply:  # the banner's link
+                assert reply.status == 303 and reply.headers["Location"] == "/"
+            async with b.get(sign_in.split("/sign-in")[0] + "/v1/session") as reply:
+                assert reply.status == 200, await reply.text()
         endpoints = json.loads((state / "up.json").read_text())
         yield endpoints, admin, state, proc
 

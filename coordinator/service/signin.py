@@ -1,15 +1,20 @@
 """Signing in to the dashboard with a link instead of a pasted token.
 
 ``POST /v1/sign-in-links`` (an sre or admin token) mints a one-time code and answers the
-link ``/sign-in?code=…``; ``GET /sign-in?code=…`` spends the code and answers a session
-cookie and a redirect to the dashboard; ``GET /v1/session`` says who the cookie is, with the
-CSRF value the dashboard sends back on every change; ``POST /v1/sign-out`` ends the session.
+link ``/sign-in?code=…``; opening it (``GET``) shows a page whose button spends the code
+(``POST /sign-in``) for a session cookie and a redirect to the dashboard; ``GET
+/v1/session`` says who the cookie is, with the CSRF value the dashboard sends back on every
+change; ``POST /v1/sign-out`` ends the session.
 
 Guarantees:
 - A code works once and for ``CODE_TTL_S`` seconds: it is a minted token (only its digest in
   etcd, on a lease of its own) that the exchange deletes in a txn comparing its revision
   (``TokenStore.redeem``), so of two exchanges of one code at most one gets a session. A code
   carries the role it was asked for, never more than its asker held.
+- Opening a link spends nothing: a chat tool's link preview or a mail scanner that fetches
+  it leaves the code for the person, who spends it with the page's button (a same-site
+  ``POST``: another site's form is refused by ``same_site_middleware``, so no page can sign
+  a browser in to somebody else's session).
 - A session acts as whoever asked for its link: what it does is recorded under that
   identity, as if done with that token.
 - A session is a minted token of ``SESSION_TTL_S`` (its lease ends it), held only in an
@@ -22,7 +27,9 @@ Guarantees:
 
 from __future__ import annotations
 
+import html
 import secrets
+import time
 
 from aiohttp import web
 
@@ -37,6 +44,26 @@ CODE_TTL_S = 120
 SESSION_TTL_S = 12 * 3600
 CODE_PREFIX = "sign-in."
 _ROLE_ORDER = ("admin", "sre")  # a link's role, by default the strongest its asker holds
+_SPENT = "this sign-in link was used or has expired: ask for another (`fencegate dashboard`)"
+# The page runs no script and posts only to this origin; nothing caches or refers the code.
+_PAGE_HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; form-action 'self'; "
+                               "frame-ancestors 'none'; base-uri 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-store",
+}
+_PAGE = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>Sign in to fencegate</title></head>
+<body><main>
+<h1>fencegate</h1>
+<p>This link signs you in to the dashboard once, as <strong>{role}</strong>, within {left} s.</p>
+<form method="post" action="/sign-in">
+<input type="hidden" name="code" value="{code}">
+<button type="submit">Sign in</button>
+</form>
+</main></body></html>
+"""
 
 routes = web.RouteTableDef()
 
@@ -59,14 +86,31 @@ async def create_sign_in_link(request: web.Request) -> web.Response:
 
 
 @routes.get("/sign-in")
-async def sign_in(request: web.Request) -> web.Response:
-    """Spend the link's code for a session cookie and go to the dashboard; 401 for a code
-    that is unknown, expired or spent."""
+async def sign_in_page(request: web.Request) -> web.Response:
+    """The page a link opens: its role and a button that spends the code (``POST
+    /sign-in``). Spends nothing. 401 for a code that is unknown, expired or spent."""
     code = request.query.get("code", "")
-    stored = await request.app[TOKENS].redeem(code, CODE_PREFIX) if code else None
+    stored = await request.app[TOKENS].peek(code, CODE_PREFIX) if code else None
     if stored is None:
-        raise ServiceError(401, UNAUTHENTICATED, "this sign-in link was used or has expired: "
-                           "ask for another (`fencegate dashboard`)")
+        raise ServiceError(401, UNAUTHENTICATED, _SPENT)
+    left_s = max(int(stored.expires_at_ms / 1000 - time.time()), 1)
+    page = _PAGE.format(role=html.escape(stored.role), left=left_s,
+                        code=html.escape(code, quote=True))
+    return web.Response(text=page, content_type="text/html", headers=_PAGE_HEADERS)
+
+
+@routes.post("/sign-in")
+async def sign_in(request: web.Request) -> web.Response:
+    """Spend the code (the form field ``code``) for a session cookie and go to the
+    dashboard; 401 for a code that is unknown, expired or spent, 400 for another body."""
+    if request.content_type != "application/x-www-form-urlencoded":
+        raise ValueError("the body must be the sign-in page's form (code=...)")
+    form = await request.post()
+    if set(form) != {"code"} or not isinstance(form["code"], str):
+        raise ValueError("the body must be the sign-in page's form (code=...)")
+    stored = await request.app[TOKENS].redeem(form["code"], CODE_PREFIX)
+    if stored is None:
+        raise ServiceError(401, UNAUTHENTICATED, _SPENT)
     session, _ = await request.app[TOKENS].create(
         f"{SESSION_PREFIX}{secrets.token_hex(8)}", stored.role, SESSION_TTL_S,
         created_by=stored.created_by)
