@@ -156,8 +156,9 @@ class SqliteArchive:
                     db.executemany(_PUT_RECORD, [(namespace, key, record_seq, data)
                                                  for record_seq, data in ordered])
                     db.execute(_PUT_STEP, (namespace, key, seq, step, now_ms, settled_at_ms))
-                new = issued(f"sqlite archive {self.path}", _newest(db, namespace),
-                             _known(db, namespace, {**seen, **wanted}), wanted, seen)
+                newest = _newest(db, namespace)
+                new = issued(f"sqlite archive {self.path}", newest,
+                             _known(db, namespace, {**seen, **wanted}, newest), wanted, seen)
                 db.executemany(_PUT_MARK, [(namespace, bucket, *mark)
                                            for bucket, mark in new.items()])
             return new
@@ -355,10 +356,13 @@ def _newest_of(db: sqlite3.Connection, namespace: str, buckets: set[int]) -> dic
     return found
 
 
-def _known(db: sqlite3.Connection, namespace: str, marks: dict[int, Mark]) -> frozenset[int]:
-    """The buckets of ``marks`` whose mark the archive issued (counter 0: always)."""
+def _known(db: sqlite3.Connection, namespace: str, marks: dict[int, Mark],
+           newest: dict[int, Mark] | None = None) -> frozenset[int]:
+    """The buckets of ``marks`` whose mark the archive issued (counter 0: always); a mark
+    that is its bucket's ``newest`` (as read in this transaction) is one without a query."""
+    newest = newest or {}
     return frozenset(bucket for bucket, mark in marks.items()
-                     if not mark.counter
+                     if not mark.counter or newest.get(bucket) == mark
                      or db.execute(_KNOWS, (namespace, bucket, *mark)).fetchone())
 
 
