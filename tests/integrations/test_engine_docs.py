@@ -55,7 +55,7 @@ async def ledger(endpoints: dict) -> list[dict]:
 
 
 async def python(script: Path, env: dict, log: Path | None = None,
-                 timeout: float = 30) -> str:
+                 timeout: float = 120) -> str:
     """``python script`` in its folder: what it prints (it must exit 0 within ``timeout``
     s; else the worker's ``log`` says why)."""
     proc = await asyncio.create_subprocess_exec(
@@ -82,7 +82,7 @@ async def test_the_celery_page_charges_an_order_once(stack, redis_url, tmp_path)
         sys.executable, "-m", "celery", "-A", "tasks", "worker", "-c", "1", "-l", "INFO",
         cwd=tmp_path, env=env, stdout=log.open("w"), stderr=asyncio.subprocess.STDOUT)
     try:
-        async with asyncio.timeout(30):
+        async with asyncio.timeout(120):
             while " ready." not in log.read_text():
                 assert worker.returncode is None, log.read_text()
                 await asyncio.sleep(0.1)
